@@ -1,0 +1,23 @@
+"""Exception types that carry a user-facing message.
+
+The CLI maps :class:`UserError` to exit code 2 and :class:`RuntimeFailure` to exit code 1, printing only the message
+(tracebacks only with ``--debug``). Library code raises these instead of printing.
+"""
+
+from __future__ import annotations
+
+
+class AdalossError(Exception):
+    """Base class of every error adaloss reports to a user without a traceback."""
+
+
+class UserError(AdalossError):
+    """The user asked for something invalid: a bad config, a missing dataset folder, an existing run directory."""
+
+
+class RuntimeFailure(AdalossError):
+    """Something failed while running a valid request: a diverged run, an unwritable disk."""
+
+
+class LossScaleFloorError(RuntimeFailure):
+    """The dynamic loss scale hit its floor with ``on_floor: raise`` and overflowed again."""
