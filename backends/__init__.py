@@ -1,4 +1,49 @@
 """Backend registry: each training framework is an adapter behind :class:`~adaloss_cli.backends.base.Backend`.
 
-Backends are imported lazily so that ``adaloss --help`` and ``adaloss validate`` never import a framework.
+Backends are imported lazily, so ``adaloss --help`` and ``adaloss validate`` never import a framework. The CLI's
+choices and ``adaloss env`` read this same table.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
+
+from adaloss_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from adaloss_cli.backends.base import Backend
+
+# backend name -> (module holding the adapter, adapter class name, framework module it needs)
+_REGISTRY: dict[str, tuple[str, str, str]] = {
+    "torch": ("adaloss_cli.backends.torch.adapter", "TorchBackend", "torch"),
+}
+
+# Backends named in the config schema that are not implemented yet, with the message users get.
+_PLANNED: dict[str, str] = {
+    "chainer": "backend 'chainer' is not available yet in this version of adaloss; use backend: torch",
+}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Names of the backends this version implements."""
+    return tuple(_REGISTRY)
+
+
+def is_backend_installed(name: str) -> bool:
+    """Whether the framework a backend needs can be imported, without importing it."""
+    return name in _REGISTRY and importlib.util.find_spec(_REGISTRY[name][2]) is not None
+
+
+def get_backend(name: str) -> type["Backend"]:
+    """The adapter class of a backend; a clear UserError if it is unknown, planned or not installed."""
+    if name in _PLANNED:
+        raise UserError(_PLANNED[name])
+    if name not in _REGISTRY:
+        raise UserError(f"backend: unknown backend '{name}'; choose one of: {', '.join(_REGISTRY)}")
+    module_name, class_name, framework = _REGISTRY[name]
+    if not is_backend_installed(name):
+        raise UserError(f"backend '{name}' needs the '{framework}' package, which is not installed; "
+                        f"install it (pip install 'adaloss[{name}]') or choose another backend")
+    return getattr(importlib.import_module(module_name), class_name)

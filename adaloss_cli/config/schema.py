@@ -26,10 +26,15 @@ ADAPTIVE_METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 
 def option(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
            max: float | None = None, exclusive_min: bool = False, item_type: type | None = None,
-           nullable: bool = False, default_factory: Any = None) -> Any:
-    """A config field with its help text and constraints, read by the validator and the docs generator."""
+           length: int | None = None, nullable: bool = False, default_factory: Any = None) -> Any:
+    """A config field with its help text and constraints, read by the validator and the docs generator.
+
+    For list fields (``item_type`` set), ``min``/``max`` bound each item and ``length`` is the required item count.
+    A field is nullable when asked, or when its default is None (a factory-made default does not count).
+    """
     meta = {"help": help, "choices": choices, "min": min, "max": max, "exclusive_min": exclusive_min,
-            "item_type": item_type, "nullable": nullable or default is None}
+            "item_type": item_type, "length": length,
+            "nullable": nullable or (default is None and default_factory is None)}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -51,7 +56,7 @@ class RunConfig:
 class ModelConfig:
     """Which network to build."""
     name: str = option("mlp", "Architecture.", choices=MODELS)
-    hidden_sizes: tuple = option(None, "MLP only: widths of the hidden layers.", item_type=int,
+    hidden_sizes: tuple = option(None, "MLP only: widths of the hidden layers.", item_type=int, min=1,
                                  default_factory=lambda: (128, 128))
     width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage).", min=1)
     dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg).", min=0.0, max=1.0)
@@ -81,7 +86,8 @@ class OptimizerConfig:
     momentum: float = option(0.9, "sgd: momentum.", min=0.0, max=1.0)
     nesterov: bool = option(False, "sgd: Nesterov momentum (needs momentum > 0).")
     weight_decay: float = option(0.0, "L2 weight decay (coupled, as torch.optim applies it).", min=0.0)
-    betas: tuple = option(None, "adam: (beta1, beta2).", item_type=float, default_factory=lambda: (0.9, 0.999))
+    betas: tuple = option(None, "adam: (beta1, beta2), each in [0, 1).", item_type=float, length=2,
+                         default_factory=lambda: (0.9, 0.999))
     eps: float = option(1e-8, "adam: epsilon.", min=0.0, exclusive_min=True)
 
 
@@ -149,6 +155,8 @@ class DynamicScalingConfig:
     max_retries: Optional[int] = option(None, "retry: attempts per batch before the step is skipped.", min=1)
     grow_every_step_until_overflow: Optional[bool] = option(
         None, "Double every step until the first overflow (Chainer's warm start).")
+    smooth_growth: Optional[bool] = option(
+        None, "Grow by growth_factor^(1/growth_interval) after every clean step instead of in one jump (Chainer).")
 
 
 @dataclass(frozen=True)

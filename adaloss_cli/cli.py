@@ -1,0 +1,83 @@
+"""The ``adaloss`` command: a thin click group whose subcommands are imported only when used.
+
+Exit codes: 0 success, 1 runtime failure, 2 user error (bad config, bad option, missing data). Tracebacks are shown
+only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import click
+
+from adaloss_cli import __version__
+from adaloss_cli.errors import AdalossError, UserError
+
+# command name -> (module, function, one-line help shown in `adaloss --help`)
+COMMANDS = {
+    "train": ("adaloss_cli.commands.train", "train", "Train one experiment from a YAML config."),
+    "validate": ("adaloss_cli.commands.validate", "validate", "Check config files without training."),
+    "env": ("adaloss_cli.commands.env", "env", "Print versions, backends and devices (for bug reports)."),
+}
+
+
+class ReportedError(click.ClickException):
+    """An adaloss error shown as ``Error: <message>`` with its exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module only when that subcommand runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context):
+        """Run the subcommand; adaloss errors become one-line messages with exit code 2 (user) or 1 (runtime)."""
+        try:
+            return super().invoke(ctx)
+        except AdalossError as err:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            raise ReportedError(str(err), 2 if isinstance(err, UserError) else 1) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+            raise
+        except Exception as err:  # a bug, not a user mistake: say so, keep the traceback behind --debug
+            if (ctx.obj or {}).get("debug"):
+                raise
+            raise ReportedError(f"internal error {type(err).__name__}: {err} (re-run with --debug for the "
+                                "traceback)", 1) from None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_) for name, (_, _, help_) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="adaloss")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Train with fp16 mixed precision and none, fixed, dynamic or adaptive per-layer loss scaling.
+
+    \b
+    Examples:
+      adaloss train --config configs/digits.yaml
+      adaloss train --config configs/digits.yaml --set loss_scaling.method=fixed --set precision.dtype=float16
+      adaloss validate configs/*.yaml
+      adaloss env
+    """
+    ctx.obj = {"debug": debug}
+
+
+def main() -> None:
+    """Console entry point."""
+    cli(prog_name="adaloss")

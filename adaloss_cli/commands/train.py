@@ -1,0 +1,50 @@
+"""``adaloss train``: validate a config, train it, write one run directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from adaloss_cli.config import load_config
+
+SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeatable; values are YAML)."
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Experiment YAML file, e.g. configs/digits.yaml.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write the run into exactly this directory (default: a new <output.root>/<name>-<method>-"
+                   "<time>/).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="Override the config's device (auto = cuda when available).")
+@click.option("--overwrite", is_flag=True, help="Replace the contents of an existing --out directory.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the run directory.")
+def train(config_path: Path, overrides: tuple[str, ...], out: Path | None, device: str | None, overwrite: bool,
+          quiet: bool) -> None:
+    """Train and evaluate one experiment and write its run directory.
+
+    The config is validated first (as `adaloss validate` does); the run directory then holds config.yaml (as run),
+    meta.json, steps.jsonl, metrics.csv, scales.csv (adaptive) and summary.json.
+
+    \b
+    Examples:
+      adaloss train --config configs/digits.yaml
+      adaloss train --config configs/digits.yaml --set precision.dtype=float16 --set loss_scaling.method=fixed
+      adaloss train --config configs/resnet.yaml --set data.root=~/data/cifar-10-batches-py --device cuda
+    """
+    from adaloss_cli.experiment import run_experiment
+    from adaloss_cli.results.report import format_summary
+
+    extra = [f"device={device}"] if device else []
+    config = load_config(config_path, list(overrides) + extra)
+    result = run_experiment(config, out=out, overwrite=overwrite, progress=not quiet,
+                            command=["adaloss", *sys.argv[1:]])
+    if quiet:
+        click.echo(str(result.run_dir))
+    else:
+        click.echo(format_summary(result.summary))
+        click.echo(f"Run directory: {result.run_dir}")

@@ -1,0 +1,238 @@
+"""The adaptive per-layer loss-scaling factor and the branch rule (DESIGN.md 2.2, 2.3), computed on the device.
+
+A scale point receives gy (stored with accumulated scale A) and its weight W, and computes
+
+    s = layer_factor(gy, W, fan, A, opts) = bound_factor(unbound_factor(gy, W, fan, opts), A, opts)
+
+as a 0-d float32 array on gy's device; gx = (s * gy) . W then travels with scale A * s. Nothing here reads a value
+back to the host, so one call per layer per step costs a handful of reductions and no synchronisation. A NaN or Inf
+in gy or W gives s = 1 (the step is skipped elsewhere); nothing here raises on data.
+
+The statistics-based part depends only on gy and W, so a policy that recomputes every ``update_per_n_iteration``
+iterations caches :func:`unbound_factor` and re-applies :func:`bound_factor` with the current A every iteration.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, element_wise_extremes,
+                             nonzero_abs_min, second_moment, underflow_k)
+
+__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor",
+           "power_of_two_floor", "unbound_factor"]
+
+METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
+_ABS_RANGE_O_MIN_FLOOR = 1e-15
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """Knobs of the per-layer factor; field meanings and defaults as in DESIGN.md 2.2.
+
+    ``u_min``/``u_max`` left as None take :func:`default_range` of the gradient's dtype.
+    """
+    method: str = "approx_range"
+    u_min: float | None = None
+    u_max: float | None = None
+    n_uf_threshold: float = 1e-3
+    scale_upper_bound: float = 16.0
+    accum_upper_bound: float = 1024.0
+    power_of_two: bool = True
+    use_bound: bool = True
+    fixed_loss_scale: float = 1.0
+    update_per_n_iteration: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown adaptive method {self.method!r}; choose from {list(METHODS)}")
+        underflow_k(self.n_uf_threshold)  # validates (0, 1)
+        for name in ("u_min", "u_max"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.u_min is not None and self.u_max is not None and not self.u_min < self.u_max:
+            raise ValueError(f"u_min ({self.u_min}) must be below u_max ({self.u_max})")
+        for name in ("scale_upper_bound", "accum_upper_bound", "fixed_loss_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.update_per_n_iteration < 1:
+            raise ValueError(f"update_per_n_iteration must be >= 1, got {self.update_per_n_iteration}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "AdaptiveOptions":
+        """From the ``loss_scaling.adaptive`` config section (read by attribute, so core imports no config)."""
+        return cls(method=cfg.loss_scale_method, u_min=cfg.u_min, u_max=cfg.u_max,
+                   n_uf_threshold=cfg.n_uf_threshold, scale_upper_bound=cfg.scale_upper_bound,
+                   accum_upper_bound=cfg.accum_upper_bound, power_of_two=cfg.power_of_two,
+                   use_bound=cfg.use_bound, fixed_loss_scale=cfg.fixed_loss_scale,
+                   update_per_n_iteration=cfg.update_per_n_iteration)
+
+    def range_for(self, dtype: Any) -> tuple[float, float]:
+        """(u_min, u_max): the user's values, else the defaults of ``dtype``."""
+        if self.u_min is not None and self.u_max is not None:
+            return self.u_min, self.u_max
+        lo, hi = default_range(dtype)
+        return (lo if self.u_min is None else self.u_min), (hi if self.u_max is None else self.u_max)
+
+    @property
+    def k(self) -> float:
+        """sqrt(2) * erfinv(n_uf_threshold)."""
+        return _k(self.n_uf_threshold)
+
+
+@functools.lru_cache(maxsize=16)
+def _k(n_uf: float) -> float:
+    return underflow_k(n_uf)
+
+
+# Each method returns (s, ok): the unbound factor and whether its statistics were finite.
+def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
+                  u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+    xp, c = ops.xp, ops.const
+    e_gy, e_w = second_moment(ops, gy), second_moment(ops, w)
+    # max over {gy_min, gy_max} x {w_min, w_max} of |a * b| is max|gy| * max|W|.
+    o_max = abs_max(ops, gy) * abs_max(ops, w)
+    ok = xp.logical_and(xp.logical_and(xp.isfinite(e_gy), xp.isfinite(e_w)), xp.isfinite(o_max))
+    # Square roots first: E[gy^2] * E[W^2] itself can underflow float32 for fp32 inputs.
+    sigma = xp.sqrt(e_gy) * xp.sqrt(e_w) * c(math.sqrt(fan / 2.0))
+    lower = xp.maximum(ops.safe_div(c(u_min / opts.k), sigma, 1.0), c(1.0))
+    upper = ops.safe_div(c(u_max / fan), o_max, math.inf)
+    return xp.where(sigma > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+
+
+def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
+               u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+    xp, c = ops.xp, ops.const
+    g_hi, w_hi = abs_max(ops, gy), abs_max(ops, w)
+    ok = xp.logical_and(xp.isfinite(g_hi), xp.isfinite(w_hi))
+    o_min = xp.maximum(nonzero_abs_min(ops, gy) * nonzero_abs_min(ops, w), c(_ABS_RANGE_O_MIN_FLOOR))
+    o_max = g_hi * w_hi
+    lower = xp.maximum(c(u_min / fan) / o_min, c(1.0))  # o_min = +inf when empty: lower = 1
+    upper = ops.safe_div(c(u_max / fan), o_max, math.inf)
+    return xp.where(o_max > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+
+
+def _element_wise_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
+                        u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+    xp, c = ops.xp, ops.const
+    lo, hi = element_wise_extremes(gy, w, default_axes(gy, w) if axes is None else axes)
+    ok = xp.logical_and(xp.isfinite(hi), xp.logical_not(xp.isnan(lo)))
+    # As the reference: lift every product above u_min, and keep a sum of fan products below u_max.
+    lower = xp.maximum(ops.safe_div(c(u_min), lo, math.inf), c(1.0))
+    upper = ops.safe_div(c(u_max / fan), hi, math.inf)
+    return xp.where(hi > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+
+
+def _fixed(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
+           u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+    return ops.const(opts.fixed_loss_scale), ops.xp.isfinite(ops.const(1.0))
+
+
+_UNBOUND: dict[str, Callable[..., tuple[Any, Any]]] = {
+    "approx_range": _approx_range,
+    "abs_range": _abs_range,
+    "element_wise_range": _element_wise_range,
+    "fixed": _fixed,
+}
+
+
+def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
+                   axes: tuple[int, int] | None = None) -> Any:
+    """The statistics-based factor s of one scale point, before bounds and power of two (0-d float32).
+
+    gy is the layer's output gradient as stored (scaled by A), w its weight; fan comes from
+    :func:`~.adaptive_stats.linear_fan` or :func:`~.adaptive_stats.conv_fan`. ``axes`` (element_wise_range only)
+    names the summed dimension in gy and W, default :func:`~.adaptive_stats.default_axes`. Non-finite statistics,
+    an all-zero gy or W, or an empty array give s = 1.
+    """
+    ops = Float32Ops(gy, w)
+    if fan < 1:
+        raise ValueError(f"fan must be >= 1, got {fan}")
+    if math.prod(gy.shape) == 0 or math.prod(w.shape) == 0:
+        return ops.array(ops.const(1.0))
+    u_min, u_max = opts.range_for(gy.dtype)
+    xp, one = ops.xp, ops.const(1.0)
+    with ops.quiet():
+        s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
+        usable = xp.logical_and(xp.logical_and(ok, xp.isfinite(s)), s > ops.const(0.0))
+        return ops.array(xp.where(usable, s, one))
+
+
+def _as_f32(ops: Float32Ops, value: Any) -> Any:
+    """A scale given as a Python number or as an array, as float32 on ops' device."""
+    if isinstance(value, (int, float)):
+        return ops.const(float(value))
+    return ops.f32(value)
+
+
+def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
+    """Apply the caps (approx_range with use_bound) and the power-of-two floor to an unbound factor.
+
+    accum_scale is the A the layer's gy carries (0-d array or number). With the caps,
+    s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
+    """
+    ops = Float32Ops(s)
+    xp = ops.xp
+    s = ops.f32(s)
+    if opts.method == "approx_range" and opts.use_bound:
+        with ops.quiet():
+            cap = ops.const(opts.accum_upper_bound) / _as_f32(ops, accum_scale)
+        s = xp.minimum(xp.minimum(s, cap), ops.const(opts.scale_upper_bound))
+    if opts.power_of_two:
+        s = power_of_two_floor(s)
+    return ops.array(s)
+
+
+def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOptions,
+                 axes: tuple[int, int] | None = None) -> Any:
+    """The final factor of one scale point: :func:`bound_factor` of :func:`unbound_factor`."""
+    return bound_factor(unbound_factor(gy, w, fan, opts, axes), accum_scale, opts)
+
+
+def power_of_two_floor(s: Any) -> Any:
+    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through."""
+    ops = Float32Ops(s)
+    xp, c = ops.xp, ops.const
+    s = ops.f32(s)
+    positive = xp.logical_and(s > c(0.0), xp.isfinite(s))
+    t = xp.where(positive, s, c(1.0))
+    with ops.quiet():  # 2 * 2**127 overflows harmlessly below
+        p = xp.pow(c(2.0), xp.floor(xp.log2(t)))
+        # log2 may round across an integer: fix p to the power of two just at or below t.
+        p = xp.where(p > t, p * c(0.5), p)
+        p = xp.where(p * c(2.0) <= t, p * c(2.0), p)
+    return ops.array(xp.where(positive, p, s))
+
+
+def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: float) -> tuple[Any, list]:
+    """The common scale of gradients meeting at a branch, and each one's multiplier common / A_i (DESIGN 2.3).
+
+    With m = max_i(max|g_i| / A_i) (the largest true magnitude), common is the largest A_j with m * A_j < u_max;
+    if none fits, the smallest A_i halved the fewest times that makes it fit. All-zero gradients give the largest
+    A_i; a non-finite m (the step will be skipped) also gives the largest A_i. Multipliers are powers of two when
+    the A_i are.
+    """
+    if not grads or len(grads) != len(scales):
+        raise ValueError(f"need one scale per gradient, got {len(grads)} gradients and {len(scales)} scales")
+    ops = Float32Ops(*grads)
+    xp, c = ops.xp, ops.const
+    a = [_as_f32(ops, value) for value in scales]
+    limit = c(u_max)
+    with ops.quiet():
+        m = functools.reduce(xp.maximum, [abs_max(ops, g) / a_i for g, a_i in zip(grads, a)])
+        a_max, a_min = functools.reduce(xp.maximum, a), functools.reduce(xp.minimum, a)
+        best = functools.reduce(xp.maximum, [xp.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
+        fits = best > c(0.0)
+        # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below.
+        r = m * a_min / limit
+        r = xp.where(xp.logical_and(xp.isfinite(r), r >= c(1.0)), r, c(1.0))
+        halved = a_min / xp.pow(c(2.0), xp.floor(xp.log2(r)) + c(1.0))
+        halved = xp.where(m * halved >= limit, halved * c(0.5), halved)
+        grow = xp.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
+        halved = xp.where(grow, halved * c(2.0), halved)
+        common = xp.where(xp.isfinite(m), xp.where(fits, best, halved), a_max)
+        return ops.array(common), [ops.array(common / a_i) for a_i in a]

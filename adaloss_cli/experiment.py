@@ -1,0 +1,59 @@
+"""Run one experiment end to end: prepare, claim a run directory, train, and record the outcome.
+
+Used by ``adaloss train`` and, once per child run, by ``compare`` and ``batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adaloss_cli.config.schema import ExperimentConfig, to_dict
+from adaloss_cli.core.policies import resolve_dynamic
+from adaloss_cli.engine import Trainer, prepare
+from adaloss_cli.results.rundir import claim_exact_dir, create_run_dir
+from adaloss_cli.results.run_writer import RunWriter
+
+
+@dataclass
+class RunResult:
+    """Where a run was written and what its summary says."""
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def resolved_config_dict(config: ExperimentConfig) -> dict[str, Any]:
+    """The config as run: every default filled in and the dynamic preset expanded into its knobs."""
+    data = to_dict(config)
+    data["loss_scaling"]["dynamic"].update(resolve_dynamic(config.loss_scaling.dynamic))
+    return data
+
+
+def run_directory_stem(config: ExperimentConfig) -> str:
+    """``<run name>-<method>``: the method is in every run directory's name."""
+    return f"{config.run.name}-{config.loss_scaling.method}"
+
+
+def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwrite: bool = False,
+                   progress: bool = True, command: list[str] | None = None) -> RunResult:
+    """Train ``config`` into a new run directory (``out`` exactly, or a unique one under ``output.root``).
+
+    User mistakes surface before the directory is created; a failure or interruption afterwards leaves the
+    directory with ``meta.json`` status ``failed``/``interrupted``.
+    """
+    dataset, backend = prepare(config)
+    run_dir = claim_exact_dir(out, overwrite) if out is not None else create_run_dir(
+        Path(config.output.root), run_directory_stem(config))
+    writer = RunWriter(run_dir, resolved_config_dict(config), command)
+    try:
+        summary = Trainer(config, dataset, backend, writer, progress=progress).run()
+    except KeyboardInterrupt:
+        writer.finish("interrupted", error="interrupted by the user")
+        raise
+    except BaseException as err:
+        writer.finish("failed", error=f"{type(err).__name__}: {err}")
+        raise
+    writer.finish("completed", summary)
+    return RunResult(run_dir=run_dir, summary=summary)
+

@@ -1,0 +1,97 @@
+"""Everything a training run writes into its run directory (DESIGN.md section 4).
+
+Backends never write files: the engine hands each record to this writer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adaloss_cli import __version__
+from adaloss_cli.backends.base import LayerRecord, StepOutcome
+from adaloss_cli.results.files import CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text
+
+METRICS_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "lr", "skipped_steps", "elapsed_s")
+SCALES_COLUMNS = ("step", "layer", "unbound_factor", "factor", "accumulated_scale", "underflow_fraction")
+
+
+def _now() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and of the packages that shape numerical results (only those already imported)."""
+    versions = {"adaloss": __version__, "python": platform.python_version()}
+    for name in ("numpy", "torch", "chainer", "cupy"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = getattr(module, "__version__", "unknown")
+    return versions
+
+
+class RunWriter:
+    """Writes config.yaml, meta.json, steps.jsonl, metrics.csv, scales.csv and summary.json of one run."""
+
+    def __init__(self, run_dir: Path, resolved_config: dict[str, Any], command: list[str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+        self.meta: dict[str, Any] = {"status": "running", "started": _now(), "finished": None,
+                                     "command": command or sys.argv, "host": platform.node(),
+                                     "platform": platform.platform(), "versions": package_versions()}
+        self._write_meta()
+        self._steps = JsonLinesWriter(self.run_dir / "steps.jsonl")
+        self._metrics = CsvWriter(self.run_dir / "metrics.csv", METRICS_COLUMNS)
+        self._scales: CsvWriter | None = None
+
+    def _write_meta(self) -> None:
+        atomic_write_json(self.run_dir / "meta.json", self.meta)
+
+    def set_meta(self, **fields: Any) -> None:
+        """Add fields to meta.json (device, model description, ...), rewriting it atomically."""
+        self.meta.update(fields)
+        self.meta["versions"] = package_versions()
+        self._write_meta()
+
+    def step(self, step: int, epoch: int, lr: float, outcome: StepOutcome, elapsed_s: float) -> None:
+        """One line of steps.jsonl, and scales.csv rows when the step was recorded."""
+        self._steps.write({"step": step, "epoch": epoch, "loss": outcome.loss, "scale": outcome.scale,
+                           "overflow": outcome.overflow, "skipped": outcome.skipped, "retries": outcome.retries,
+                           "lr": lr, "elapsed_s": round(elapsed_s, 4)})
+        if outcome.layers:
+            self._write_layers(step, outcome.layers)
+
+    def _write_layers(self, step: int, layers: list[LayerRecord]) -> None:
+        if self._scales is None:
+            self._scales = CsvWriter(self.run_dir / "scales.csv", SCALES_COLUMNS)
+        for record in layers:
+            self._scales.write({"step": step, "layer": record.layer, "unbound_factor": record.unbound_factor,
+                                "factor": record.factor, "accumulated_scale": record.accumulated_scale,
+                                "underflow_fraction": record.underflow_fraction})
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        """One row of metrics.csv."""
+        self._metrics.write(row)
+
+    def finish(self, status: str, summary: dict[str, Any] | None = None, error: str | None = None) -> None:
+        """Close the logs, write summary.json (atomically, last) and the final status."""
+        for writer in (self._steps, self._metrics, self._scales):
+            if writer is not None:
+                writer.close()
+        if summary is not None:
+            atomic_write_json(self.run_dir / "summary.json", summary)
+        self.meta.update(status=status, finished=_now())
+        if error:
+            self.meta["error"] = error
+        self._write_meta()
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The summary.json of a run directory."""
+    return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))

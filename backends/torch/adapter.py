@@ -1,0 +1,139 @@
+"""The PyTorch backend: model, optimizer, mixed precision and loss scaling behind the Backend interface."""
+
+from __future__ import annotations
+
+import math
+import resource
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from adaloss_cli.backends.base import Backend, Batch, EvalResult, StepOutcome
+from adaloss_cli.backends.torch.models import build_model, describe_model
+from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+from adaloss_cli.backends.torch.scaler import LossScaler
+from adaloss_cli.config.schema import ExperimentConfig, OptimizerConfig
+from adaloss_cli.errors import UserError
+
+
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """SGD (momentum, Nesterov, weight decay) or Adam over float32 master parameters."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class TorchBackend(Backend):
+    """Trains a zoo model with PyTorch in float32, float16 (fp32 master weights) or bfloat16."""
+
+    name = "torch"
+
+    def __init__(self, config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int,
+                 device: str) -> None:
+        super().__init__(config, input_shape, num_classes, device)
+        torch.manual_seed(config.run.seed)
+        model = build_model(config.model, tuple(input_shape), num_classes).to(device)
+        self.scaler = LossScaler(model, config=config.loss_scaling)
+        self.model = self.scaler.model
+        self.forward = MixedPrecisionForward(self.model, config.precision.dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @staticmethod
+    def resolve_device(requested: str) -> str:
+        """'auto' picks CUDA when present; asking for CUDA without it is a user error."""
+        if requested == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if requested == "cuda" and not torch.cuda.is_available():
+            raise UserError("device: 'cuda' was requested but torch sees no CUDA device "
+                            f"(torch {torch.__version__}); use --device cpu or install a CUDA build of torch")
+        return requested
+
+    def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        return (torch.from_numpy(np.ascontiguousarray(x)).to(self.device, non_blocking=True),
+                torch.from_numpy(np.ascontiguousarray(y)).to(self.device, non_blocking=True))
+
+    def _backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        """Scaled forward/backward over all micro-batches; returns the mean loss as a device tensor."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            x, y = self._to_device(batch)
+            loss = F.cross_entropy(self.forward(x), y) / len(micro_batches)
+            self.scaler.scale(loss).backward()
+            total = total + loss.detach()
+        return total
+
+    def train_step(self, micro_batches: Sequence[Batch], lr: float, record: bool = False) -> StepOutcome:
+        """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        retries, overflowed = 0, False
+        while True:
+            scale = self.scaler.get_scale()
+            loss = self._backward(micro_batches)
+            self.scaler.unscale_(self.optimizer)
+            if self.config.training.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip_norm)
+            stepped = self.scaler.step(self.optimizer, loss=loss)
+            overflowed = overflowed or not stepped
+            self.scaler.update()
+            if not self.scaler.should_retry:
+                break
+            retries += 1
+        return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
+                           scale=scale, retries=retries)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
+        """Mean cross-entropy and accuracy, in the training compute dtype."""
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        count = 0
+        for batch in batches:
+            x, y = self._to_device(batch)
+            logits = self.forward(x)
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(dim=1) == y).sum()
+            count += len(y)
+        loss = loss_sum.item() / max(count, 1)
+        return EvalResult(loss=loss if math.isfinite(loss) else float("nan"),
+                          accuracy=correct.item() / max(count, 1), examples=count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scaler and torch RNG states."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.device.startswith("cuda"):
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.startswith("cuda"):
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+    def describe(self) -> str:
+        """One line about the model."""
+        return describe_model(self.model)
+
+    def peak_memory_bytes(self) -> int | None:
+        """CUDA: peak allocated bytes; CPU: the process's peak resident set size."""
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def final_scale(self) -> float:
+        """The global loss scale now."""
+        return self.scaler.get_scale()

@@ -1,0 +1,131 @@
+"""``LossScaler``: loss scaling for a PyTorch training loop, shaped like ``torch.amp.GradScaler``.
+
+Every adaloss method (none, fixed, dynamic, adaptive) sits behind the same four calls, so switching method is one
+argument::
+
+    scaler = LossScaler(model, "dynamic", preset="deepspeed")
+    model = scaler.model
+    scaler.scale(loss).backward()
+    stepped = scaler.step(optimizer)   # False when the step was skipped (overflow)
+    scaler.update()
+
+Unscaling and the overflow check use torch's fused multi-tensor kernel; the only device-to-host read per step is
+the skip decision in :meth:`step`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaloss_cli.config import ConfigError, load_config_dict
+from adaloss_cli.config.schema import LossScalingConfig
+from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
+
+
+def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
+    """Validate keyword options for one method through the same validator as YAML configs."""
+    section = {"method": method}
+    if options:
+        section[method] = dict(options)
+    try:
+        return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+
+
+class LossScaler:
+    """Loss scaling for one model and optimizer, with the call pattern of ``torch.amp.GradScaler``.
+
+    Args:
+        model: the model to train. ``scaler.model`` is the model to use from then on (the adaptive method returns a
+            transformed copy that carries per-layer scales through backward).
+        method: ``none``, ``fixed``, ``dynamic`` or ``adaptive``.
+        config: a validated ``LossScalingConfig`` (as the trainer passes); otherwise ``options`` are the keys of
+            the method's config section, e.g. ``scale=128`` for fixed or ``preset="deepspeed"`` for dynamic.
+    """
+
+    def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
+                 **options: Any) -> None:
+        self.config = config if config is not None else scaling_config(method, options)
+        self.method = self.config.method
+        self.policy: ScalePolicy = build_policy(self.config)
+        self.model = model
+        self._found_inf: torch.Tensor | None = None
+        self._attempt = 0
+        self.last_action: StepAction | None = None
+        self.last_loss: float | None = None
+
+    def get_scale(self) -> float:
+        """The global loss scale the next backward will use."""
+        return float(self.policy.scale)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply the loss by the current loss scale before ``backward()``."""
+        scale = self.policy.scale
+        return loss if scale == 1.0 else loss * scale
+
+    def _grad_divisor(self) -> float:
+        """What parameter gradients are divided by after backward (adaptive gradients arrive unscaled)."""
+        return 1.0 if self.method == "adaptive" else self.policy.scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the loss scale in place and note whether any is not finite.
+
+        Call it before gradient clipping so that clipping sees true gradients; :meth:`step` calls it otherwise.
+        """
+        if self._found_inf is not None:
+            return
+        grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads[(p.grad.device, p.grad.dtype)].append(p.grad)
+        found = None
+        for (device, _), tensors in grads.items():
+            found_here = torch.zeros(1, device=device)
+            inv = torch.full((1,), 1.0 / self._grad_divisor(), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, inv)
+            found = found_here if found is None else found + found_here.to(found.device)
+        self._found_inf = found if found is not None else torch.zeros(1)
+
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> bool:
+        """Apply ``optimizer.step()`` unless a gradient overflowed; return whether it stepped.
+
+        ``loss`` (optional) is read back in the same device-to-host transfer as the overflow flag and kept in
+        ``last_loss``, so logging the loss costs no extra synchronisation. After an overflow, ``last_action`` says
+        whether the policy wants the step skipped or the same batch retried with the smaller scale.
+        """
+        self.unscale_(optimizer)
+        flag = self._found_inf.reshape(1).float()
+        if loss is not None:
+            found, self.last_loss = torch.cat([flag, loss.detach().reshape(1).float().to(flag.device)]).tolist()
+        else:
+            found = flag.item()
+        self.last_action = self.policy.update(bool(found), self._attempt)
+        if self.last_action is StepAction.STEP:
+            optimizer.step()
+        return self.last_action is StepAction.STEP
+
+    def update(self) -> None:
+        """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one)."""
+        self._attempt = self._attempt + 1 if self.last_action is StepAction.RETRY else 0
+        self._found_inf = None
+
+    @property
+    def should_retry(self) -> bool:
+        """Whether the last step asked to re-run the same batch (nnabla-style retry on overflow)."""
+        return self.last_action is StepAction.RETRY
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume scaling exactly."""
+        return {"method": self.method, "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses state saved for another method."""
+        if state.get("method") != self.method:
+            raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
+        self.policy.load_state_dict(state["policy"])

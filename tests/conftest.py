@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny configs and a CLI runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from adaloss_cli.cli import cli
+
+
+def write_config(path: Path, **sections) -> Path:
+    """Write a tiny, fast experiment config (digits, small MLP, a few steps), with sections overridden."""
+    data = {
+        "run": {"name": "t", "seed": 0},
+        "model": {"name": "mlp", "hidden_sizes": [32]},
+        "data": {"name": "digits"},
+        "training": {"iterations": 6, "batch_size": 16, "eval_batch_size": 512,
+                     "optimizer": {"name": "sgd", "lr": 0.05}},
+        "output": {"root": str(path.parent / "runs"), "record_every": 2, "progress": False},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    """A click runner that keeps stderr apart from stdout."""
+    return CliRunner()
+
+
+@pytest.fixture
+def invoke(runner):
+    """Run `adaloss ARGS...` in-process; returns the click Result."""
+    def _invoke(*args: str):
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return _invoke
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> Path:
+    """Path of a valid tiny config in a temporary folder."""
+    return write_config(tmp_path / "tiny.yaml")
