@@ -19,6 +19,9 @@ COMMANDS = {
     "env": ("adaloss_cli.commands.env", "env", "Print versions, backends and devices (for bug reports)."),
 }
 
+# ctx.meta key holding the arguments `adaloss` was invoked with (after the program name).
+ARGV_KEY = "adaloss.argv"
+
 
 class ReportedError(click.ClickException):
     """An adaloss error shown as ``Error: <message>`` with its exit code."""
@@ -30,6 +33,11 @@ class ReportedError(click.ClickException):
 
 class LazyGroup(click.Group):
     """A group that imports a subcommand's module only when that subcommand runs."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Kept for meta.json: sys.argv is someone else's command line when adaloss is invoked in-process.
+        ctx.meta[ARGV_KEY] = list(args)
+        return super().parse_args(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)

@@ -54,6 +54,7 @@ class _Tally:
         self.step_time = 0.0
         self.epoch_losses: list[float] = []
         self.last_epoch_loss = float("nan")
+        self.underflow: dict[str, list[float]] = {}
 
     def add(self, outcome: StepOutcome, seconds: float) -> None:
         self.skipped += outcome.skipped
@@ -62,6 +63,18 @@ class _Tally:
         self.step_time += seconds
         if math.isfinite(outcome.loss):
             self.epoch_losses.append(outcome.loss)
+        for record in outcome.layers:
+            if math.isfinite(record.underflow_fraction):
+                self.underflow.setdefault(record.layer, []).append(record.underflow_fraction)
+
+    def underflow_summary(self) -> dict[str, Any]:
+        """Mean underflow fraction over layers and recorded steps, and the worst layer's mean."""
+        if not self.underflow:
+            return {"underflow_mean": None, "underflow_worst": None, "underflow_worst_layer": None}
+        per_layer = {layer: sum(v) / len(v) for layer, v in self.underflow.items()}
+        worst = max(per_layer, key=per_layer.get)
+        return {"underflow_mean": sum(per_layer.values()) / len(per_layer), "underflow_worst": per_layer[worst],
+                "underflow_worst_layer": worst}
 
     def close_epoch(self) -> float:
         self.last_epoch_loss = (sum(self.epoch_losses) / len(self.epoch_losses)) if self.epoch_losses else math.nan
@@ -145,4 +158,5 @@ class Trainer:
             "wall_time_s": round(wall, 3),
             "time_per_step_s": tally.step_time / max(plan.total_steps, 1),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,
+            **tally.underflow_summary(),
         }

@@ -11,7 +11,8 @@ from typing import Any
 
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.core.policies import resolve_dynamic
-from adaloss_cli.engine import Trainer, prepare
+from adaloss_cli.data import BatchStream, Dataset
+from adaloss_cli.engine import Trainer, plan_steps, prepare
 from adaloss_cli.results.rundir import claim_exact_dir, create_run_dir
 from adaloss_cli.results.run_writer import RunWriter
 
@@ -35,6 +36,16 @@ def run_directory_stem(config: ExperimentConfig) -> str:
     return f"{config.run.name}-{config.loss_scaling.method}"
 
 
+def check_plan(config: ExperimentConfig, dataset: Dataset) -> None:
+    """Raise the UserError a batch size or accumulation too large for the data would raise once training starts.
+
+    The trainer builds its batch stream and step plan only inside the run; checking them here keeps that user
+    mistake from leaving a failed run directory behind.
+    """
+    stream = BatchStream(dataset, config.training.batch_size, config.run.seed, augment=False)
+    plan_steps(config, stream.batches_per_epoch, dataset.num_train)
+
+
 def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwrite: bool = False,
                    progress: bool = True, command: list[str] | None = None) -> RunResult:
     """Train ``config`` into a new run directory (``out`` exactly, or a unique one under ``output.root``).
@@ -43,6 +54,7 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
     directory with ``meta.json`` status ``failed``/``interrupted``.
     """
     dataset, backend = prepare(config)
+    check_plan(config, dataset)
     run_dir = claim_exact_dir(out, overwrite) if out is not None else create_run_dir(
         Path(config.output.root), run_directory_stem(config))
     writer = RunWriter(run_dir, resolved_config_dict(config), command)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from adaloss_cli.cli import ARGV_KEY
 from adaloss_cli.config import load_config
 
 SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeatable; values are YAML)."
@@ -41,8 +42,8 @@ def train(config_path: Path, overrides: tuple[str, ...], out: Path | None, devic
 
     extra = [f"device={device}"] if device else []
     config = load_config(config_path, list(overrides) + extra)
-    result = run_experiment(config, out=out, overwrite=overwrite, progress=not quiet,
-                            command=["adaloss", *sys.argv[1:]])
+    argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
+    result = run_experiment(config, out=out, overwrite=overwrite, progress=not quiet, command=["adaloss", *argv])
     if quiet:
         click.echo(str(result.run_dir))
     else:

@@ -58,13 +58,21 @@ class TorchBackend(Backend):
         return (torch.from_numpy(np.ascontiguousarray(x)).to(self.device, non_blocking=True),
                 torch.from_numpy(np.ascontiguousarray(y)).to(self.device, non_blocking=True))
 
-    def _backward(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
-        """Scaled forward/backward over all micro-batches; returns the mean loss as a device tensor."""
+    def _backward(self, micro_batches: Sequence[Batch], record: bool) -> torch.Tensor:
+        """Scaled forward/backward over all micro-batches; returns the mean loss as a device tensor.
+
+        On a recorded step the first micro-batch runs through the scaler's measuring model, with the input
+        requiring grad so that the first layer's input gradient is measured too.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             x, y = self._to_device(batch)
-            loss = F.cross_entropy(self.forward(x), y) / len(micro_batches)
+            model = self.model
+            if record and i == 0:
+                model = self.scaler.start_recording()
+                x = x.requires_grad_(True)
+            loss = F.cross_entropy(self.forward(model, x), y) / len(micro_batches)
             self.scaler.scale(loss).backward()
             total = total + loss.detach()
         return total
@@ -77,7 +85,8 @@ class TorchBackend(Backend):
         retries, overflowed = 0, False
         while True:
             scale = self.scaler.get_scale()
-            loss = self._backward(micro_batches)
+            loss = self._backward(micro_batches, record)
+            layers = self.scaler.layer_records() if record else []
             self.scaler.unscale_(self.optimizer)
             if self.config.training.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip_norm)
@@ -88,7 +97,7 @@ class TorchBackend(Backend):
                 break
             retries += 1
         return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
-                           scale=scale, retries=retries)
+                           scale=scale, retries=retries, layers=layers)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
@@ -99,7 +108,7 @@ class TorchBackend(Backend):
         count = 0
         for batch in batches:
             x, y = self._to_device(batch)
-            logits = self.forward(x)
+            logits = self.forward(self.model, x)
             loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
             correct += (logits.argmax(dim=1) == y).sum()
             count += len(y)
@@ -125,8 +134,11 @@ class TorchBackend(Backend):
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def describe(self) -> str:
-        """One line about the model."""
-        return describe_model(self.model)
+        """One line about the model, and the table of scale points when adaptive."""
+        text = describe_model(self.model)
+        if self.scaler.method == "adaptive":
+            text += "\n" + self.model.adaloss.table_text()
+        return text
 
     def peak_memory_bytes(self) -> int | None:
         """CUDA: peak allocated bytes; CPU: the process's peak resident set size."""

@@ -9,8 +9,6 @@ low-precision input with float32 weights), as apex O2 and torch.amp do.
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -33,25 +31,23 @@ def kept_in_fp32(model: nn.Module) -> set[str]:
 class MixedPrecisionForward:
     """Runs a model's forward in a compute dtype, returning float32 logits for a float32 loss.
 
-    ``self_casting`` names parameters the model casts itself (adaptive scale points take the float32 master weight
-    so that they can return float32 parameter gradients); they are passed through untouched.
+    Built from the model whose parameter names it will see; it also runs transformed views of that model (the
+    adaptive or measuring GraphModule), which keep the same parameter names.
     """
 
-    def __init__(self, model: nn.Module, dtype_name: str, self_casting: Iterable[str] = ()) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, dtype_name: str) -> None:
         self.dtype = DTYPES[dtype_name]
-        self._keep = kept_in_fp32(model) | set(self_casting)
+        self._keep = kept_in_fp32(model)
 
     @property
     def is_mixed(self) -> bool:
         """Whether the compute dtype differs from the float32 master weights."""
         return self.dtype != torch.float32
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward ``x`` through the model in the compute dtype; the logits come back as float32."""
+    def __call__(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Forward ``x`` through ``model`` in the compute dtype; the logits come back as float32."""
         if not self.is_mixed:
-            return self.model(x)
-        params = {name: p if name in self._keep else p.to(self.dtype)
-                  for name, p in self.model.named_parameters()}
-        out = functional_call(self.model, params, (x.to(self.dtype),), strict=False)
+            return model(x)
+        params = {name: p if name in self._keep else p.to(self.dtype) for name, p in model.named_parameters()}
+        out = functional_call(model, params, (x.to(self.dtype),), strict=False)
         return out.float()

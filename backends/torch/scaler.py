@@ -15,21 +15,30 @@ the skip decision in :meth:`step`.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from adaloss_cli.backends.base import LayerRecord
 from adaloss_cli.config import ConfigError, load_config_dict
 from adaloss_cli.config.schema import LossScalingConfig
+from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
+
+from .scale_points import ScaleState
+from .transform import TransformError, transform_model
 
 
 def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
     """Validate keyword options for one method through the same validator as YAML configs."""
-    section = {"method": method}
+    section: dict[str, Any] = {"method": method}
     if options:
+        if method == "none":
+            raise ValueError(f"method 'none' takes no options, got {sorted(options)}")
         section[method] = dict(options)
     try:
         return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
@@ -41,19 +50,30 @@ class LossScaler:
     """Loss scaling for one model and optimizer, with the call pattern of ``torch.amp.GradScaler``.
 
     Args:
-        model: the model to train. ``scaler.model`` is the model to use from then on (the adaptive method returns a
-            transformed copy that carries per-layer scales through backward).
+        model: the model to train, with float32 parameters. ``scaler.model`` is the model to use from then on: for
+            ``adaptive`` it is a transformed copy (torch.fx) whose backward carries per-layer scales and whose
+            parameter gradients leave backward already unscaled; for the other methods it is ``model`` itself.
         method: ``none``, ``fixed``, ``dynamic`` or ``adaptive``.
         config: a validated ``LossScalingConfig`` (as the trainer passes); otherwise ``options`` are the keys of
-            the method's config section, e.g. ``scale=128`` for fixed or ``preset="deepspeed"`` for dynamic.
+            the method's config section, e.g. ``scale=128`` for fixed, ``preset="deepspeed"`` for dynamic,
+            ``loss_scale_method="abs_range"`` for adaptive.
+        passthrough_modules: extra parameter-owning module types the adaptive transform may treat like batch norm
+            (parameter gradients unscaled, no factor of their own).
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 **options: Any) -> None:
+                 passthrough_modules: Iterable[type] = (), **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
-        self.model = model
+        self._passthrough = tuple(passthrough_modules)
+        self._measuring: nn.Module | None = None
+        if self.method == "adaptive":
+            options_ = AdaptiveOptions.from_config(self.config.adaptive)
+            self.model = transform_model(copy.deepcopy(model), options_, init_scale=self.policy.scale,
+                                         passthrough_modules=self._passthrough)
+        else:
+            self.model = model
         self._found_inf: torch.Tensor | None = None
         self._attempt = 0
         self.last_action: StepAction | None = None
@@ -112,8 +132,64 @@ class LossScaler:
 
     def update(self) -> None:
         """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one)."""
-        self._attempt = self._attempt + 1 if self.last_action is StepAction.RETRY else 0
+        retry = self.last_action is StepAction.RETRY
+        self._attempt = self._attempt + 1 if retry else 0
         self._found_inf = None
+        state = self._active_state()
+        if state is not None:
+            state.recording = False
+            state.captured.clear()
+            if not retry:
+                state.iteration += 1
+
+    # -- per-layer view: scale points, recording, underflow -------------------------------------------------------
+
+    def _active_state(self) -> ScaleState | None:
+        """The scale state of the transformed model in use, if any has been built."""
+        model = self.model if self.method == "adaptive" else (self._measuring or None)
+        return model.adaloss.state if model is not None else None
+
+    def measuring_model(self) -> nn.Module | None:
+        """The model to run on a recorded step: the adaptive model, or a measure-only transform sharing ``model``'s
+        parameters (None, with a warning, when the model cannot be transformed)."""
+        if self.method == "adaptive":
+            return self.model
+        if self._measuring is None:
+            try:
+                self._measuring = transform_model(self.model, None, self.policy.scale, self._passthrough,
+                                                  hook_parameters=False)
+            except TransformError as err:
+                warnings.warn(f"underflow is not measured: {err}", stacklevel=2)
+                self._measuring = False  # type: ignore[assignment]
+        return self._measuring or None
+
+    def start_recording(self) -> nn.Module:
+        """Record per-layer factors and underflow during the next backward; returns the model to run it with."""
+        model = self.measuring_model()
+        if model is None:
+            return self.model
+        state = model.adaloss.state
+        state.recording = True
+        state.underflow.fill_(float("nan"))
+        if self.method != "adaptive":
+            state.set_loss_scale(self.policy.scale)
+        return model
+
+    def layer_records(self) -> list[LayerRecord]:
+        """What each scale point did in the last recorded backward (one device-to-host read for all layers)."""
+        state = self._active_state()
+        if state is None:
+            return []
+        model = self.measuring_model()
+        points = list(model.adaloss.scale)
+        if not points:
+            return []
+        in_scales = state.table[[p.in_slot for p in points]]
+        unbound = state.unbound[: len(points)] if state.adaptive else torch.ones_like(in_scales)
+        factor = state.factor[: len(points)] if state.adaptive else torch.ones_like(in_scales)
+        rows = torch.stack([unbound, factor, in_scales, state.underflow[: len(points)]]).tolist()
+        return [LayerRecord(layer=p.name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf)
+                for p, u, f, a, uf in zip(points, *rows)]
 
     @property
     def should_retry(self) -> bool:
@@ -122,10 +198,15 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume scaling exactly."""
-        return {"method": self.method, "policy": self.policy.state_dict()}
+        state = {"method": self.method, "policy": self.policy.state_dict()}
+        if self.method == "adaptive":
+            state["layers"] = self.model.adaloss.state.state_dict_values()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses state saved for another method."""
         if state.get("method") != self.method:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
+        if self.method == "adaptive":
+            self.model.adaloss.state.load_state_values(state["layers"])

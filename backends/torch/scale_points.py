@@ -1,0 +1,223 @@
+"""Run-time pieces of a transformed model: the scale table, scale points and branch points.
+
+Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1). Autograd passes plain
+tensors, so the scale travels in a side channel: a small float32 table on the model's device, one slot per gradient
+edge whose scale a node sets. The transform (``transform.py``) fixes statically which slot each node reads and
+writes, so at run time nodes only index the table: no device-to-host read anywhere in a step.
+
+- :class:`ScaleOutput` sits after a Linear/Conv: its backward reads A of the layer's output gradient gy, computes the
+  layer's factor s with the shared core math, writes A * s to the layer's input slot and returns s * gy, so the
+  layer's own (native) backward computes gx and its weight gradient from the scaled gy.
+- :class:`MeasureInput` sits before it: on recorded steps its backward measures how many elements of gx underflowed
+  compared with the same backward in float32.
+- :class:`BranchPoint` replaces fan-out: consumers get separate copies, and their gradients are brought to a common
+  scale (DESIGN.md 2.3) before they are summed.
+- Parameter gradients are divided by the A of the gradient they came from, by hooks registered in the transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaloss_cli.core.adaptive import AdaptiveOptions, bound_factor, branch_common_scale, unbound_factor
+from adaloss_cli.core.adaptive_stats import underflow_fraction
+
+
+class ScaleState(nn.Module):
+    """Shared state of one transformed model: the scale table and the per-point factors and measurements.
+
+    ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
+    (used to measure underflow for the none/fixed/dynamic methods).
+    """
+
+    def __init__(self, num_slots: int, num_points: int, options: AdaptiveOptions | None, init_scale: float) -> None:
+        super().__init__()
+        self.options = options
+        self.iteration = 0
+        self.recording = False
+        self.captured: dict[int, torch.Tensor] = {}
+        self.register_buffer("table", torch.ones(num_slots), persistent=False)
+        self.register_buffer("unbound", torch.ones(num_points), persistent=False)
+        self.register_buffer("factor", torch.ones(num_points), persistent=False)
+        self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
+        self.table.fill_(init_scale)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether factors are computed (False: measure-only)."""
+        return self.options is not None
+
+    @property
+    def refresh(self) -> bool:
+        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
+        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The scale of the gradient arriving from the loss (slot 0)."""
+        self.table[0] = scale
+
+    def state_dict_values(self) -> dict[str, Any]:
+        """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
+        return {"iteration": self.iteration, "table": self.table.cpu(), "unbound": self.unbound.cpu(),
+                "factor": self.factor.cpu()}
+
+    def load_state_values(self, values: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict_values`."""
+        self.iteration = int(values["iteration"])
+        for name in ("table", "unbound", "factor"):
+            getattr(self, name).copy_(values[name])
+
+
+def _state_ref(module: nn.Module, state: ScaleState) -> None:
+    # A plain attribute, not a registered submodule: many modules point at one state.
+    object.__setattr__(module, "state", state)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies gy by the layer's factor."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weight: torch.Tensor, point: "ScaleOutput") -> torch.Tensor:
+        ctx.point = point
+        ctx.save_for_backward(weight.detach())
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return ctx.point.scale_gradient(gy, weight), None, None
+
+
+class ScaleOutput(nn.Module):
+    """After a Linear/Conv layer: scales the layer's output gradient by its adaptive factor in backward."""
+
+    def __init__(self, state: ScaleState, index: int, name: str, kind: str, fan: int, axes: tuple[int, int],
+                 layer: nn.Module) -> None:
+        super().__init__()
+        _state_ref(self, state)
+        object.__setattr__(self, "layer", layer)
+        self.index, self.name, self.kind, self.fan, self.axes = index, name, kind, fan, axes
+        self.in_slot = self.out_slot = 0  # fixed by the transform
+
+    def forward(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _ScaleGrad.apply(y, weight, self)
+
+    def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
+        state = self.state
+        accum = state.table[self.out_slot]
+        if state.recording:
+            state.captured[self.index] = gy.float() / accum
+        if not state.adaptive:
+            state.table[self.in_slot] = accum
+            return gy
+        opts = state.options
+        if state.refresh:
+            unbound = unbound_factor(gy, weight, self.fan, opts, self.axes)
+            state.unbound[self.index] = unbound
+        else:
+            unbound = state.unbound[self.index]
+        factor = bound_factor(unbound, accum, opts)
+        state.factor[self.index] = factor
+        state.table[self.in_slot] = accum * factor
+        return gy * factor.to(gy.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
+
+
+class _MeasureGrad(torch.autograd.Function):
+    """Identity forward; backward measures the underflow of the layer's input gradient on recorded steps."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, point: "MeasureInput") -> torch.Tensor:
+        ctx.point = point
+        if point.state.recording:
+            ctx.save_for_backward(x.detach())
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gx: torch.Tensor):
+        if ctx.saved_tensors:
+            ctx.point.measure(gx, ctx.saved_tensors[0])
+        return gx, None
+
+
+class MeasureInput(nn.Module):
+    """Before a Linear/Conv layer: measures underflow of its input gradient on recorded steps."""
+
+    def __init__(self, state: ScaleState, index: int, layer: nn.Module) -> None:
+        super().__init__()
+        _state_ref(self, state)
+        object.__setattr__(self, "layer", layer)
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MeasureGrad.apply(x, self)
+
+    def measure(self, gx: torch.Tensor, x: torch.Tensor) -> None:
+        """Fraction of gx that is zero where the same backward in float32, on unscaled gy, is not."""
+        true_gy = self.state.captured.pop(self.index, None)
+        if true_gy is None:
+            return
+        weight = self.layer.weight.detach().to(gx.dtype).float()
+        with torch.enable_grad():
+            x32 = x.float().requires_grad_(True)
+            if isinstance(self.layer, nn.Linear):
+                out = nn.functional.linear(x32, weight)
+            else:
+                out = self.layer._conv_forward(x32, weight, None)
+            (reference,) = torch.autograd.grad(out, x32, true_gy)
+        self.state.underflow[self.index] = underflow_fraction(gx, reference)
+
+
+class _Branch(torch.autograd.Function):
+    """Forward: one view of x per consumer. Backward: the consumers' gradients brought to one scale and summed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, point: "BranchPoint"):
+        ctx.point = point
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for _ in range(point.fan_out))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return ctx.point.merge(grads), None
+
+
+class BranchPoint(nn.Module):
+    """Where a value feeds several consumers: gives each its own copy and merges their gradients' scales."""
+
+    def __init__(self, state: ScaleState, index: int, name: str, fan_out: int) -> None:
+        super().__init__()
+        _state_ref(self, state)
+        self.index, self.name, self.fan_out = index, name, fan_out
+        self.in_slot = 0
+        self.out_slots: list[int] = []
+
+    def forward(self, x: torch.Tensor):
+        return _Branch.apply(x, self)
+
+    def merge(self, grads: tuple) -> torch.Tensor | None:
+        """Sum the incoming gradients at a common scale (DESIGN.md 2.3); write that scale to the input slot."""
+        state = self.state
+        present = [(g, slot) for g, slot in zip(grads, self.out_slots) if g is not None]
+        if not present:
+            return None
+        if len(present) == 1 or not state.adaptive:
+            state.table[self.in_slot] = state.table[present[0][1]]
+            return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]
+        tensors = [g for g, _ in present]
+        u_max = state.options.range_for(tensors[0].dtype)[1]
+        common, multipliers = branch_common_scale(tensors, [state.table[slot] for _, slot in present], u_max)
+        state.table[self.in_slot] = common
+        total = tensors[0] * multipliers[0].to(tensors[0].dtype)
+        for g, m in zip(tensors[1:], multipliers[1:]):
+            total = total + g * m.to(g.dtype)
+        return total
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: {self.fan_out} consumers, slots {self.out_slots}->{self.in_slot}"

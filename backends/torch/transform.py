@@ -1,0 +1,282 @@
+"""The torch.fx transform that makes any traceable model carry per-layer loss scales through backward.
+
+It traces the model, puts a scale point around every Linear/Conv1d/2d/3d, a branch point wherever a value has
+several consumers, hooks every parameter gradient to be divided by the scale of the gradient it came from, and
+assigns each gradient edge its static slot in the scale table (see ``scale_points.py``). What it cannot handle it
+refuses by name: an untraceable model, a parameter used outside a module, a module called twice, or a
+parameter-owning module type with no handling.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import fx, nn
+
+from adaloss_cli.core.adaptive import AdaptiveOptions
+from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
+from adaloss_cli.errors import UserError
+
+from .scale_points import BranchPoint, MeasureInput, ScaleOutput, ScaleState
+
+SCALE_POINT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# Modules whose parameter gradients are simply unscaled (no factor of their own): their backward is linear in gy.
+UNSCALED_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                  nn.Embedding, nn.EmbeddingBag, nn.PReLU)
+
+_INPLACE_FUNCTIONS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                      operator.itruediv: operator.truediv, torch.relu_: torch.relu}
+_INPLACE_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "relu_": "relu",
+                    "clamp_": "clamp", "sigmoid_": "sigmoid", "tanh_": "tanh"}
+
+
+class TransformError(UserError):
+    """The model cannot be transformed for adaptive loss scaling; the message names the module and the fix."""
+
+
+@dataclass
+class _Plan:
+    """Bookkeeping while rewriting: the new modules and the slot counter."""
+    state: ScaleState
+    points: list[ScaleOutput]
+    branches: list[BranchPoint]
+    next_slot: int = 1
+
+    def new_slot(self) -> int:
+        self.next_slot += 1
+        return self.next_slot - 1
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as err:  # fx raises many types; all mean "not traceable"
+        raise TransformError(
+            f"cannot trace {type(model).__name__} with torch.fx ({type(err).__name__}: {err}); adaptive scaling "
+            "needs a traceable forward: move data-dependent Python control flow out of forward, or mark the "
+            "offending submodule as a leaf") from None
+
+
+def _remove_inplace(gm: fx.GraphModule) -> None:
+    """Rewrite in-place ops out of place: scale and branch points hand out views that must not be modified."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _INPLACE_FUNCTIONS:
+            node.target = _INPLACE_FUNCTIONS[node.target]
+        elif node.op == "call_function" and node.kwargs.get("inplace"):
+            node.kwargs = {**node.kwargs, "inplace": False}
+        elif node.op == "call_method" and node.target in _INPLACE_METHODS:
+            node.target = _INPLACE_METHODS[node.target]
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if getattr(module, "inplace", False):
+                replacement = copy.copy(module)
+                replacement.inplace = False
+                parent, _, name = node.target.rpartition(".")
+                setattr(gm.get_submodule(parent) if parent else gm, name, replacement)
+
+
+def _check_parameters(gm: fx.GraphModule, passthrough: tuple[type, ...]) -> dict[fx.Node, nn.Module]:
+    """Map each parameter-owning module call to its module; refuse what adaptive scaling cannot handle."""
+    owners: dict[int, str] = {}
+    calls: dict[fx.Node, nn.Module] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter):
+            users = ", ".join(str(u.target) for u in node.users)
+            raise TransformError(
+                f"parameter '{node.target}' is used directly in forward (by {users}), not through a module; "
+                "adaptive scaling divides each parameter gradient by the scale of its module's output gradient: "
+                "wrap that computation in an nn.Module")
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        params = list(module.parameters())
+        if not params:
+            continue
+        if not isinstance(module, SCALE_POINT_TYPES + UNSCALED_TYPES + passthrough):
+            raise TransformError(
+                f"module '{node.target}' ({type(module).__name__}) owns parameters but adaptive scaling has no "
+                "handling for it; pass passthrough_modules=(" + type(module).__name__ + ",) to LossScaler to unscale "
+                "its parameter gradients without a factor of its own, or split it into Linear/Conv layers")
+        for p in params:
+            if id(p) in owners:
+                raise TransformError(
+                    f"module '{node.target}' shares a parameter with '{owners[id(p)]}' (or is called twice); "
+                    "adaptive scaling needs each parameter used by one module call: untie the weights or use "
+                    "another loss-scaling method")
+            owners[id(p)] = node.target
+        calls[node] = module
+    return calls
+
+
+def _attr(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fan_and_axes(module: nn.Module) -> tuple[str, int, tuple[int, int]]:
+    if isinstance(module, nn.Linear):
+        return "Linear", linear_fan(module.out_features), LINEAR_AXES
+    dims = len(module.kernel_size)
+    return (type(module).__name__, conv_fan(module.out_channels, module.kernel_size, module.groups, dims),
+            CONV_AXES)
+
+
+def _insert_scale_points(gm: fx.GraphModule, plan: _Plan, calls: dict[fx.Node, nn.Module]) -> None:
+    graph = gm.graph
+    for node, module in list(calls.items()):
+        if not isinstance(module, SCALE_POINT_TYPES):
+            continue
+        index = len(plan.points)
+        kind, fan, axes = _fan_and_axes(module)
+        point = ScaleOutput(plan.state, index, node.target, kind, fan, axes, module)
+        point.in_slot = plan.new_slot()
+        plan.points.append(point)
+        gm.adaloss.scale.append(point)
+        gm.adaloss.measure.append(MeasureInput(plan.state, index, module))
+        with graph.inserting_before(node):
+            measured = graph.call_module(f"adaloss.measure.{index}", (node.args[0],))
+        node.args = (measured,) + tuple(node.args[1:])
+        with graph.inserting_after(node):
+            weight = graph.get_attr(f"{node.target}.weight")
+        with graph.inserting_after(weight):
+            scaled = graph.call_module(f"adaloss.scale.{index}", (node, weight))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+def _uses(node: fx.Node) -> int:
+    count = 0
+    for user in node.users:
+        hits = []
+        fx.node.map_arg((user.args, user.kwargs), lambda a: hits.append(a is node))
+        count += sum(hits)
+    return count
+
+
+def _insert_branches(gm: fx.GraphModule, plan: _Plan) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op in ("get_attr", "output"):
+            continue
+        uses = _uses(node)
+        if uses < 2:
+            continue
+        index = len(plan.branches)
+        branch = BranchPoint(plan.state, index, node.name, uses)
+        branch.in_slot = plan.new_slot()
+        plan.branches.append(branch)
+        gm.adaloss.branch.append(branch)
+        users = list(node.users)
+        with graph.inserting_after(node):
+            split = graph.call_module(f"adaloss.branch.{index}", (node,))
+        copies = []
+        with graph.inserting_after(split):
+            for i in range(uses):
+                copies.append(graph.call_function(operator.getitem, (split, i)))
+        supply = iter(copies)
+        for user in users:
+            user.args = fx.node.map_arg(user.args, lambda a: next(supply) if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: next(supply) if a is node else a)
+
+
+def _assign_slots(gm: fx.GraphModule, plan: _Plan) -> dict[fx.Node, int]:
+    """Slot of each node's output gradient, walking backward from the output (slot 0 = the loss's scale)."""
+    slot: dict[fx.Node, int] = {}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "output":
+            continue
+        users = [u for u in node.users if u.op != "get_attr"]
+        if not users:
+            slot[node] = 0
+            continue
+        user = users[0]
+        target = user.target if user.op == "call_module" else ""
+        if isinstance(target, str) and target.startswith("adaloss.branch."):
+            slot[node] = gm.get_submodule(target).in_slot
+        elif isinstance(target, str) and target.startswith("adaloss.scale.") and user.args[0] is node:
+            slot[node] = gm.get_submodule(target).in_slot
+        elif user.op == "output":
+            slot[node] = 0
+        else:
+            slot[node] = slot[user]
+        if node.op == "call_module" and node.target.startswith("adaloss.scale."):
+            gm.get_submodule(node.target).out_slot = slot[node]
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("adaloss.branch."):
+            getitems = sorted(node.users, key=lambda u: u.args[1])
+            gm.get_submodule(node.target).out_slots = [slot[g] for g in getitems]
+    return slot
+
+
+def _hook_parameters(calls: dict[fx.Node, nn.Module], slot: dict[fx.Node, int], state: ScaleState) -> list:
+    """Divide each parameter gradient by the accumulated scale of its module's output gradient."""
+    handles = []
+    for node, module in calls.items():
+        index = slot[node]
+
+        def unscale(grad: torch.Tensor, index: int = index) -> torch.Tensor:
+            return grad / state.table[index].to(grad.dtype)
+
+        handles.extend(p.register_hook(unscale) for p in module.parameters())
+    return handles
+
+
+class AdalossModules(nn.Module):
+    """Container of the scale state and the inserted points, registered on the transformed model as ``adaloss``."""
+
+    def __init__(self, state: ScaleState) -> None:
+        super().__init__()
+        self.state = state
+        self.scale = nn.ModuleList()
+        self.measure = nn.ModuleList()
+        self.branch = nn.ModuleList()
+
+    def table_text(self) -> str:
+        """The scale points (qualified name, type, fan) and branch points as a text table."""
+        mode = "adaptive " + self.state.options.method if self.state.adaptive else "measure-only"
+        lines = [f"adaloss transform ({mode}): {len(self.scale)} scale points, {len(self.branch)} branch points",
+                 f"  {'scale point':<32} {'type':<8} {'fan':>6}"]
+        lines += [f"  {p.name:<32} {p.kind:<8} {p.fan:>6}" for p in self.scale]
+        if len(self.branch):
+            lines.append(f"  {'branch point (value)':<32} {'consumers':>9}")
+            lines += [f"  {b.name:<32} {b.fan_out:>9}" for b in self.branch]
+        return "\n".join(lines)
+
+
+def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scale: float = 1.0,
+                    passthrough_modules: Iterable[type] = (), hook_parameters: bool = True) -> fx.GraphModule:
+    """A GraphModule computing the same forward as ``model`` whose backward carries per-layer scales.
+
+    ``options`` None builds a measure-only model (all factors 1) for underflow measurement of the global methods;
+    it shares ``model``'s parameters and registers no hooks when ``hook_parameters`` is False. Parameter names and
+    the state_dict are those of ``model``.
+    """
+    gm = _trace(model)
+    _remove_inplace(gm)
+    calls = _check_parameters(gm, tuple(passthrough_modules))
+    state = ScaleState(1, 1, options, init_scale)
+    gm.adaloss = AdalossModules(state)
+    plan = _Plan(state=state, points=[], branches=[])
+    _insert_scale_points(gm, plan, calls)
+    _insert_branches(gm, plan)
+    slot = _assign_slots(gm, plan)
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    state.register_buffer("table", torch.full((plan.next_slot,), float(init_scale), device=device),
+                          persistent=False)
+    for name in ("unbound", "factor"):
+        state.register_buffer(name, torch.ones(max(len(plan.points), 1), device=device), persistent=False)
+    state.register_buffer("underflow", torch.full((max(len(plan.points), 1),), float("nan"), device=device),
+                          persistent=False)
+    if hook_parameters:
+        gm.adaloss_hooks = _hook_parameters(calls, slot, state)
+    gm.graph.lint()
+    gm.recompile()
+    type(gm).__str__ = lambda self: self.adaloss.table_text() + "\n\n" + fx.GraphModule.__str__(self)
+    return gm
+
+
