@@ -16,13 +16,15 @@ from adaloss_cli.cli import COMMANDS
 from adaloss_cli.config import load_config, load_config_dict
 from adaloss_cli.core.presets import resolve_dynamic
 from adaloss_cli.experiment import resolved_config_dict
-from adaloss_cli.results.run_writer import METRICS_COLUMNS
+from adaloss_cli.results.run_writer import METRICS_COLUMNS, SCALES_COLUMNS
+from adaloss_cli.results.rundir import RUN_FILES
 
 from conftest import write_config
 
 torch = pytest.importorskip("torch")
 
 ITERATIONS = 6
+REQUIRED_FILES = {"config.yaml", "meta.json", "steps.jsonl", "metrics.csv", "summary.json"}
 STEP_KEYS = {"step", "epoch", "loss", "scale", "overflow", "skipped", "retries", "lr", "elapsed_s"}
 SUMMARY_KEYS = {"status", "final_val_accuracy", "best_val_accuracy", "final_val_loss", "final_train_loss", "steps",
                 "skipped_steps", "final_scale", "wall_time_s", "time_per_step_s", "peak_memory_mb"}
@@ -47,8 +49,13 @@ def test_train_writes_every_file_of_the_run_directory(invoke, tmp_path, method, 
     result = train(invoke, config, out)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == str(out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "meta.json", "metrics.csv", "steps.jsonl",
-                                                      "summary.json"]
+    written = {p.name for p in out.iterdir()}
+    assert REQUIRED_FILES <= written <= set(RUN_FILES), written
+    if "scales.csv" in written:  # per-layer records of the recorded steps (every record_every = 2 steps)
+        with open(out / "scales.csv", newline="") as handle:
+            reader = csv.DictReader(handle)
+            assert tuple(reader.fieldnames) == SCALES_COLUMNS
+            assert {int(row["step"]) for row in reader} <= {0, 2, 4, 5}
 
     steps = read_jsonl(out / "steps.jsonl")
     assert [s["step"] for s in steps] == list(range(ITERATIONS))
@@ -153,6 +160,13 @@ def test_bad_config_exits_2_naming_both_problems_and_writes_nothing(invoke, tmp_
     assert result.exit_code == 2
     assert "traning" in result.stderr and "mlpp" in result.stderr
     assert "Traceback" not in result.output
+    assert_nothing_written(tmp_path)
+
+
+def test_missing_config_file_exits_2_naming_it(invoke, tmp_path):
+    result = invoke("train", "--config", tmp_path / "nope.yaml", "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    assert "nope.yaml" in result.stderr and "cannot read" in result.stderr
     assert_nothing_written(tmp_path)
 
 

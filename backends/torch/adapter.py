@@ -70,12 +70,20 @@ class TorchBackend(Backend):
             x, y = self._to_device(batch)
             model = self.model
             if record and i == 0:
-                model = self.scaler.start_recording()
-                x = x.requires_grad_(True)
+                model = self.scaler.start_recording(self._reference_loss(x, y))
+                x = x.detach().requires_grad_(True)
             loss = F.cross_entropy(self.forward(model, x), y) / len(micro_batches)
             self.scaler.scale(loss).backward()
             total = total + loss.detach()
         return total
+
+    @staticmethod
+    def _reference_loss(x: torch.Tensor, y: torch.Tensor):
+        """The recorded batch's loss in float32, for the scaler's underflow reference pass."""
+        def reference(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs = x.detach().float().requires_grad_(True)
+            return F.cross_entropy(model(inputs), y), inputs
+        return reference
 
     def train_step(self, micro_batches: Sequence[Batch], lr: float, record: bool = False) -> StepOutcome:
         """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""

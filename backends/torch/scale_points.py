@@ -8,8 +8,8 @@ writes, so at run time nodes only index the table: no device-to-host read anywhe
 - :class:`ScaleOutput` sits after a Linear/Conv: its backward reads A of the layer's output gradient gy, computes the
   layer's factor s with the shared core math, writes A * s to the layer's input slot and returns s * gy, so the
   layer's own (native) backward computes gx and its weight gradient from the scaled gy.
-- :class:`MeasureInput` sits before it: on recorded steps its backward measures how many elements of gx underflowed
-  compared with the same backward in float32.
+- :class:`MeasureInput` sits before it: on recorded steps its backward measures how many elements of gx are zero
+  where the same backward in float32, unscaled, gave a non-zero value (the reference pass stores those).
 - :class:`BranchPoint` replaces fan-out: consumers get separate copies, and their gradients are brought to a common
   scale (DESIGN.md 2.3) before they are summed.
 - Parameter gradients are divided by the A of the gradient they came from, by hooks registered in the transform.
@@ -38,7 +38,8 @@ class ScaleState(nn.Module):
         self.options = options
         self.iteration = 0
         self.recording = False
-        self.captured: dict[int, torch.Tensor] = {}
+        self.reference_pass = False
+        self.reference: dict[int, torch.Tensor] = {}
         self.register_buffer("table", torch.ones(num_slots), persistent=False)
         self.register_buffer("unbound", torch.ones(num_points), persistent=False)
         self.register_buffer("factor", torch.ones(num_points), persistent=False)
@@ -108,9 +109,9 @@ class ScaleOutput(nn.Module):
     def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
         state = self.state
+        if state.reference_pass:
+            return gy
         accum = state.table[self.out_slot]
-        if state.recording:
-            state.captured[self.index] = gy.float() / accum
         if not state.adaptive:
             state.table[self.in_slot] = accum
             return gy
@@ -135,43 +136,34 @@ class _MeasureGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, point: "MeasureInput") -> torch.Tensor:
         ctx.point = point
-        if point.state.recording:
-            ctx.save_for_backward(x.detach())
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, gx: torch.Tensor):
-        if ctx.saved_tensors:
-            ctx.point.measure(gx, ctx.saved_tensors[0])
+        ctx.point.observe(gx)
         return gx, None
 
 
 class MeasureInput(nn.Module):
     """Before a Linear/Conv layer: measures underflow of its input gradient on recorded steps."""
 
-    def __init__(self, state: ScaleState, index: int, layer: nn.Module) -> None:
+    def __init__(self, state: ScaleState, index: int) -> None:
         super().__init__()
         _state_ref(self, state)
-        object.__setattr__(self, "layer", layer)
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _MeasureGrad.apply(x, self)
 
-    def measure(self, gx: torch.Tensor, x: torch.Tensor) -> None:
-        """Fraction of gx that is zero where the same backward in float32, on unscaled gy, is not."""
-        true_gy = self.state.captured.pop(self.index, None)
-        if true_gy is None:
-            return
-        weight = self.layer.weight.detach().to(gx.dtype).float()
-        with torch.enable_grad():
-            x32 = x.float().requires_grad_(True)
-            if isinstance(self.layer, nn.Linear):
-                out = nn.functional.linear(x32, weight)
-            else:
-                out = self.layer._conv_forward(x32, weight, None)
-            (reference,) = torch.autograd.grad(out, x32, true_gy)
-        self.state.underflow[self.index] = underflow_fraction(gx, reference)
+    def observe(self, gx: torch.Tensor) -> None:
+        """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow."""
+        state = self.state
+        if state.reference_pass:
+            state.reference[self.index] = gx.detach().float().clone()
+        elif state.recording:
+            reference = state.reference.pop(self.index, None)
+            if reference is not None:
+                state.underflow[self.index] = underflow_fraction(gx, reference)
 
 
 class _Branch(torch.autograd.Function):
@@ -207,6 +199,8 @@ class BranchPoint(nn.Module):
         present = [(g, slot) for g, slot in zip(grads, self.out_slots) if g is not None]
         if not present:
             return None
+        if state.reference_pass:
+            return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]
         if len(present) == 1 or not state.adaptive:
             state.table[self.in_slot] = state.table[present[0][1]]
             return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import defaultdict
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,6 +32,23 @@ from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
 from .scale_points import ScaleState
 from .transform import TransformError, transform_model
+
+
+@contextmanager
+def _preserved_rng_and_buffers(model: nn.Module) -> Iterator[None]:
+    """Run a side computation without changing the RNG streams or any buffer (batch-norm statistics, scales)."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
@@ -138,7 +156,7 @@ class LossScaler:
         state = self._active_state()
         if state is not None:
             state.recording = False
-            state.captured.clear()
+            state.reference.clear()
             if not retry:
                 state.iteration += 1
 
@@ -163,12 +181,26 @@ class LossScaler:
                 self._measuring = False  # type: ignore[assignment]
         return self._measuring or None
 
-    def start_recording(self) -> nn.Module:
-        """Record per-layer factors and underflow during the next backward; returns the model to run it with."""
+    def start_recording(self, reference_loss: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+        """Record per-layer factors and underflow during the next backward; returns the model to run it with.
+
+        ``reference_loss(model)`` must run the same batch through ``model`` in float32 and return ``(loss, input)``
+        with ``input`` requiring grad. It runs first, unscaled, to get every scale point's true input gradient;
+        RNG and buffers (batch-norm statistics) are restored afterwards, so the recorded step itself is unchanged.
+        Underflow is then the share of each layer's input gradient that is zero in the training dtype where the
+        float32 backward is not: values lost here or anywhere downstream.
+        """
         model = self.measuring_model()
         if model is None:
             return self.model
         state = model.adaloss.state
+        with _preserved_rng_and_buffers(model):
+            state.reference_pass = True
+            try:
+                loss, inputs = reference_loss(model)
+                torch.autograd.grad(loss, inputs)
+            finally:
+                state.reference_pass = False
         state.recording = True
         state.underflow.fill_(float("nan"))
         if self.method != "adaptive":

@@ -138,7 +138,7 @@ def _insert_scale_points(gm: fx.GraphModule, plan: _Plan, calls: dict[fx.Node, n
         point.in_slot = plan.new_slot()
         plan.points.append(point)
         gm.adaloss.scale.append(point)
-        gm.adaloss.measure.append(MeasureInput(plan.state, index, module))
+        gm.adaloss.measure.append(MeasureInput(plan.state, index))
         with graph.inserting_before(node):
             measured = graph.call_module(f"adaloss.measure.{index}", (node.args[0],))
         node.args = (measured,) + tuple(node.args[1:])
