@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from adaloss_cli.backends import get_backend
-from adaloss_cli.backends.base import Backend, StepOutcome
+from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, StepOutcome
 from adaloss_cli.config.schema import ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
@@ -68,13 +68,16 @@ class _Tally:
                 self.underflow.setdefault(record.layer, []).append(record.underflow_fraction)
 
     def underflow_summary(self) -> dict[str, Any]:
-        """Mean underflow fraction over layers and recorded steps, and the worst layer's mean."""
-        if not self.underflow:
-            return {"underflow_mean": None, "underflow_worst": None, "underflow_worst_layer": None}
+        """Mean underflow fraction over scale points and recorded steps, the worst scale point's mean, and the
+        output cast's mean (kept apart: it is the loss gradient, not a layer's input gradient)."""
         per_layer = {layer: sum(v) / len(v) for layer, v in self.underflow.items()}
+        output = per_layer.pop(OUTPUT_RECORD, None)
+        if not per_layer:
+            return {"underflow_mean": None, "underflow_worst": None, "underflow_worst_layer": None,
+                    "underflow_output": output}
         worst = max(per_layer, key=per_layer.get)
         return {"underflow_mean": sum(per_layer.values()) / len(per_layer), "underflow_worst": per_layer[worst],
-                "underflow_worst_layer": worst}
+                "underflow_worst_layer": worst, "underflow_output": output}
 
     def close_epoch(self) -> float:
         self.last_epoch_loss = (sum(self.epoch_losses) / len(self.epoch_losses)) if self.epoch_losses else math.nan

@@ -16,6 +16,9 @@ from adaloss_cli.config.schema import ExperimentConfig
 
 Batch = tuple[np.ndarray, np.ndarray]
 
+#: Layer name of the record for the model output, where the float32 loss gradient is cast to the model's dtype.
+OUTPUT_RECORD = "output"
+
 
 @dataclass
 class LayerRecord:

@@ -22,6 +22,7 @@ DYNAMIC_PRESETS = ("pytorch", "apex", "deepspeed", "megatron", "mindspore", "nna
 FLOOR_BEHAVIOURS = ("clamp", "raise")
 OVERFLOW_BEHAVIOURS = ("skip", "retry")
 ADAPTIVE_METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
+SCALE_MAX = 1e38  # scales live in float32 tensors (largest finite value 3.4e38)
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
@@ -163,21 +164,21 @@ class DynamicScalingConfig:
 class AdaptiveScalingConfig:
     """Adaptive per-layer loss scaling (Zhao et al., IJCAI 2020)."""
     loss_scale_method: str = option("approx_range", "How each layer's factor is computed.", choices=ADAPTIVE_METHODS)
-    init_scale: float = option(1.0, "Accumulated scale at the loss.", min=0.0, exclusive_min=True)
+    init_scale: float = option(1.0, "Accumulated scale at the loss.", min=0.0, max=SCALE_MAX, exclusive_min=True)
     u_min: Optional[float] = option(None, "Smallest magnitude to keep (default by dtype: 6e-8 fp16, 1e-23 fp32).",
-                                    min=0.0, exclusive_min=True)
+                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
     u_max: Optional[float] = option(None, "Largest magnitude allowed (default by dtype: 65504 fp16, 1e23 fp32).",
-                                    min=0.0, exclusive_min=True)
-    n_uf_threshold: float = option(1e-3, "Tolerated fraction of underflowing values.", min=0.0, max=1.0,
+                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
+    n_uf_threshold: float = option(1e-3, "Tolerated fraction of underflowing values.", min=0.0, max=0.5,
                                    exclusive_min=True)
     scale_upper_bound: float = option(16.0, "Largest per-layer factor (with use_bound).", min=0.0,
-                                      exclusive_min=True)
+                                      max=SCALE_MAX, exclusive_min=True)
     accum_upper_bound: float = option(1024.0, "Largest accumulated scale a layer may create (with use_bound).",
-                                      min=0.0, exclusive_min=True)
+                                      min=0.0, max=SCALE_MAX, exclusive_min=True)
     power_of_two: bool = option(True, "Round each factor down to a power of two (exact scaling).")
     use_bound: bool = option(True, "Apply scale_upper_bound and accum_upper_bound (approx_range).")
     fixed_loss_scale: float = option(1.0, "loss_scale_method=fixed: the constant per-layer factor.", min=0.0,
-                                     exclusive_min=True)
+                                     max=SCALE_MAX, exclusive_min=True)
     update_per_n_iteration: int = option(1, "Recompute the statistics every N training iterations.", min=1)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, element_wise_extremes,
                              nonzero_abs_min, second_moment, underflow_k)
 
-__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor",
+__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "output_factor",
            "power_of_two_floor", "unbound_factor"]
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
@@ -191,6 +191,28 @@ def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOpti
                  axes: tuple[int, int] | None = None) -> Any:
     """The final factor of one scale point: :func:`bound_factor` of :func:`unbound_factor`."""
     return bound_factor(unbound_factor(gy, w, fan, opts, axes), accum_scale, opts)
+
+
+def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
+    """The factor for the loss gradient at the model output, before it is cast from float32 to ``target_dtype``.
+
+    The cast is element-wise, so the exact rule is cheap: the smallest factor that lifts every non-zero |g| above
+    u_min, capped so that max|g| * s stays below u_max / accum_upper_bound. That cap leaves the layers below the
+    headroom they may use (their accumulated cap counts from this scale), so nothing downstream needs to scale
+    down. Power of two when ``power_of_two``; 1 for an all-zero or non-finite g.
+    """
+    ops = Float32Ops(g)
+    xp, one = ops.xp, ops.const(1.0)
+    if math.prod(g.shape) == 0:
+        return ops.array(one)
+    u_min, u_max = opts.range_for(target_dtype)
+    with ops.quiet():
+        lift = xp.maximum(ops.const(u_min) / nonzero_abs_min(ops, g), one)
+        cap = ops.const(u_max / opts.accum_upper_bound) / abs_max(ops, g)
+        s = xp.minimum(lift, cap)
+        usable = xp.logical_and(xp.isfinite(s), s > ops.const(0.0))
+        s = xp.where(usable, s, one)
+    return ops.array(power_of_two_floor(s) if opts.power_of_two else s)
 
 
 def power_of_two_floor(s: Any) -> Any:

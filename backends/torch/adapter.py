@@ -99,7 +99,7 @@ class TorchBackend(Backend):
             if self.config.training.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip_norm)
             stepped = self.scaler.step(self.optimizer, loss=loss)
-            overflowed = overflowed or not stepped
+            overflowed = overflowed or self.scaler.found_overflow
             self.scaler.update()
             if not self.scaler.should_retry:
                 break

@@ -12,6 +12,9 @@ writes, so at run time nodes only index the table: no device-to-host read anywhe
   where the same backward in float32, unscaled, gave a non-zero value (the reference pass stores those).
 - :class:`BranchPoint` replaces fan-out: consumers get separate copies, and their gradients are brought to a common
   scale (DESIGN.md 2.3) before they are summed.
+- :class:`OutputPoint` sits at the model output: the loss gradient arrives in float32, and before it is cast to the
+  model's dtype (where the first underflow would happen) it gets a factor of its own, chosen exactly from its
+  extremes. The layers' accumulated cap counts from this scale (the *origin*).
 - Parameter gradients are divided by the A of the gradient they came from, by hooks registered in the transform.
 """
 
@@ -22,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from adaloss_cli.core.adaptive import AdaptiveOptions, bound_factor, branch_common_scale, unbound_factor
+from adaloss_cli.backends.base import OUTPUT_RECORD
+from adaloss_cli.core.adaptive import (AdaptiveOptions, bound_factor, branch_common_scale, output_factor,
+                                       unbound_factor)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 
 
@@ -39,12 +44,21 @@ class ScaleState(nn.Module):
         self.iteration = 0
         self.recording = False
         self.reference_pass = False
+        self.origin_slot = 0
         self.reference: dict[int, torch.Tensor] = {}
         self.register_buffer("table", torch.ones(num_slots), persistent=False)
         self.register_buffer("unbound", torch.ones(num_points), persistent=False)
         self.register_buffer("factor", torch.ones(num_points), persistent=False)
         self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
         self.table.fill_(init_scale)
+
+    def _apply(self, fn, *args, **kwargs):
+        """Moves with the model, but the scales stay float32 even when the model is cast to half."""
+        super()._apply(fn, *args, **kwargs)
+        for name, buffer in self._buffers.items():
+            if buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
 
     @property
     def adaptive(self) -> bool:
@@ -121,7 +135,8 @@ class ScaleOutput(nn.Module):
             state.unbound[self.index] = unbound
         else:
             unbound = state.unbound[self.index]
-        factor = bound_factor(unbound, accum, opts)
+        # The accumulated cap counts the scale the layers created, from the output point's scale on.
+        factor = bound_factor(unbound, accum / state.table[state.origin_slot], opts)
         state.factor[self.index] = factor
         state.table[self.in_slot] = accum * factor
         return gy * factor.to(gy.dtype)
@@ -215,3 +230,54 @@ class BranchPoint(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.fan_out} consumers, slots {self.out_slots}->{self.in_slot}"
+
+
+class _OutputGrad(torch.autograd.Function):
+    """Forward: a low-precision model output as float32. Backward: the loss gradient scaled, then cast back."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, point: "OutputPoint") -> torch.Tensor:
+        ctx.point = point
+        ctx.dtype = y.dtype
+        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.point.scale_gradient(g, ctx.dtype), None
+
+
+class OutputPoint(nn.Module):
+    """At the model output: the first scale point, where the float32 loss gradient meets the model's dtype."""
+
+    name = OUTPUT_RECORD
+
+    def __init__(self, state: ScaleState) -> None:
+        super().__init__()
+        _state_ref(self, state)
+        self.in_slot = 0
+        self.register_buffer("factor", torch.ones(()), persistent=False)
+        self.register_buffer("underflow", torch.full((), float("nan")), persistent=False)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return _OutputGrad.apply(y, self)
+
+    def scale_gradient(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """g (float32, scale A at the loss) -> s * g in ``dtype``; writes A * s to the output slot."""
+        state = self.state
+        if state.reference_pass:
+            return g.to(dtype)
+        accum = state.table[0]
+        if state.adaptive:
+            factor = output_factor(g, dtype, state.options)
+            self.factor.copy_(factor)
+            state.table[self.in_slot] = accum * factor
+            cast = (g * factor).to(dtype)
+        else:
+            state.table[self.in_slot] = accum
+            cast = g.to(dtype)
+        if state.recording:
+            self.underflow.copy_(underflow_fraction(cast, g))
+        return cast
+
+    def extra_repr(self) -> str:
+        return f"slots 0->{self.in_slot}"

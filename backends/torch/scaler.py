@@ -96,6 +96,7 @@ class LossScaler:
         self._attempt = 0
         self.last_action: StepAction | None = None
         self.last_loss: float | None = None
+        self.found_overflow = False
 
     def get_scale(self) -> float:
         """The global loss scale the next backward will use."""
@@ -143,7 +144,8 @@ class LossScaler:
             found, self.last_loss = torch.cat([flag, loss.detach().reshape(1).float().to(flag.device)]).tolist()
         else:
             found = flag.item()
-        self.last_action = self.policy.update(bool(found), self._attempt)
+        self.found_overflow = bool(found)
+        self.last_action = self.policy.update(self.found_overflow, self._attempt)
         if self.last_action is StepAction.STEP:
             optimizer.step()
         return self.last_action is StepAction.STEP
@@ -203,25 +205,38 @@ class LossScaler:
                 state.reference_pass = False
         state.recording = True
         state.underflow.fill_(float("nan"))
+        if model.adaloss.output is not None:
+            model.adaloss.output.underflow.fill_(float("nan"))
         if self.method != "adaptive":
             state.set_loss_scale(self.policy.scale)
         return model
 
     def layer_records(self) -> list[LayerRecord]:
-        """What each scale point did in the last recorded backward (one device-to-host read for all layers)."""
+        """What each scale point did in the last recorded backward (one device-to-host read for all layers).
+
+        The first record, ``output``, is the model output, where the float32 loss gradient is cast to the model's
+        dtype; then every Linear/Conv scale point by qualified name.
+        """
         state = self._active_state()
         if state is None:
             return []
-        model = self.measuring_model()
-        points = list(model.adaloss.scale)
-        if not points:
+        adaloss = self.measuring_model().adaloss
+        points = list(adaloss.scale)
+        n = len(points)
+        ones = torch.ones(n, device=state.table.device)
+        columns = [state.unbound[:n] if state.adaptive else ones, state.factor[:n] if state.adaptive else ones,
+                   state.table[[p.in_slot for p in points]], state.underflow[:n]]
+        names = [p.name for p in points]
+        if adaloss.output is not None:
+            out = adaloss.output
+            head = [out.factor, out.factor, state.table[out.in_slot], out.underflow]
+            columns = [torch.cat([h.reshape(1), c]) for h, c in zip(head, columns)]
+            names.insert(0, out.name)
+        if not names:
             return []
-        in_scales = state.table[[p.in_slot for p in points]]
-        unbound = state.unbound[: len(points)] if state.adaptive else torch.ones_like(in_scales)
-        factor = state.factor[: len(points)] if state.adaptive else torch.ones_like(in_scales)
-        rows = torch.stack([unbound, factor, in_scales, state.underflow[: len(points)]]).tolist()
-        return [LayerRecord(layer=p.name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf)
-                for p, u, f, a, uf in zip(points, *rows)]
+        rows = torch.stack(columns).tolist()
+        return [LayerRecord(layer=name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf)
+                for name, u, f, a, uf in zip(names, *rows)]
 
     @property
     def should_retry(self) -> bool:

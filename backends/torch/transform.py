@@ -21,7 +21,7 @@ from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
 from adaloss_cli.errors import UserError
 
-from .scale_points import BranchPoint, MeasureInput, ScaleOutput, ScaleState
+from .scale_points import BranchPoint, MeasureInput, OutputPoint, ScaleOutput, ScaleState
 
 SCALE_POINT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Modules whose parameter gradients are simply unscaled (no factor of their own): their backward is linear in gy.
@@ -132,6 +132,9 @@ def _insert_scale_points(gm: fx.GraphModule, plan: _Plan, calls: dict[fx.Node, n
     for node, module in list(calls.items()):
         if not isinstance(module, SCALE_POINT_TYPES):
             continue
+        if not node.args or node.kwargs:
+            raise TransformError(f"module '{node.target}' ({type(module).__name__}) is called with keyword "
+                                 "arguments; call it with its input as the only positional argument")
         index = len(plan.points)
         kind, fan, axes = _fan_and_axes(module)
         point = ScaleOutput(plan.state, index, node.target, kind, fan, axes, module)
@@ -149,6 +152,20 @@ def _insert_scale_points(gm: fx.GraphModule, plan: _Plan, calls: dict[fx.Node, n
         node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
+def _insert_output_point(gm: fx.GraphModule, plan: _Plan) -> None:
+    """Put the output point on a single tensor output (a model returning several keeps the loss's scale)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    value = output.args[0]
+    if not isinstance(value, fx.Node):
+        return
+    point = OutputPoint(plan.state)
+    point.in_slot = plan.state.origin_slot = plan.new_slot()
+    gm.adaloss.output = point
+    with gm.graph.inserting_before(output):
+        scaled = gm.graph.call_module("adaloss.output", (value,))
+    output.args = (scaled,)
+
+
 def _uses(node: fx.Node) -> int:
     count = 0
     for user in node.users:
@@ -156,6 +173,15 @@ def _uses(node: fx.Node) -> int:
         fx.node.map_arg((user.args, user.kwargs), lambda a: hits.append(a is node))
         count += sum(hits)
     return count
+
+
+def _value_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    """A readable name for a value: the layer a scale point wraps, the module called, or the fx node name."""
+    if node.op == "call_module" and node.target.startswith("adaloss.scale."):
+        return gm.get_submodule(node.target).name
+    if node.op == "call_module" and node.target == "adaloss.output":
+        return "output"
+    return str(node.target) if node.op == "call_module" else node.name
 
 
 def _insert_branches(gm: fx.GraphModule, plan: _Plan) -> None:
@@ -166,8 +192,12 @@ def _insert_branches(gm: fx.GraphModule, plan: _Plan) -> None:
         uses = _uses(node)
         if uses < 2:
             continue
+        if all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            raise TransformError(
+                f"'{_value_name(gm, node)}' returns several tensors that are used separately; adaptive scaling "
+                "cannot yet bring their gradients to one scale: use one of its outputs, or another method")
         index = len(plan.branches)
-        branch = BranchPoint(plan.state, index, node.name, uses)
+        branch = BranchPoint(plan.state, index, _value_name(gm, node), uses)
         branch.in_slot = plan.new_slot()
         plan.branches.append(branch)
         gm.adaloss.branch.append(branch)
@@ -200,6 +230,8 @@ def _assign_slots(gm: fx.GraphModule, plan: _Plan) -> dict[fx.Node, int]:
             slot[node] = gm.get_submodule(target).in_slot
         elif isinstance(target, str) and target.startswith("adaloss.scale.") and user.args[0] is node:
             slot[node] = gm.get_submodule(target).in_slot
+        elif target == "adaloss.output":
+            slot[node] = gm.adaloss.output.in_slot
         elif user.op == "output":
             slot[node] = 0
         else:
@@ -213,17 +245,23 @@ def _assign_slots(gm: fx.GraphModule, plan: _Plan) -> dict[fx.Node, int]:
     return slot
 
 
-def _hook_parameters(calls: dict[fx.Node, nn.Module], slot: dict[fx.Node, int], state: ScaleState) -> list:
-    """Divide each parameter gradient by the accumulated scale of its module's output gradient."""
-    handles = []
-    for node, module in calls.items():
-        index = slot[node]
+def hook_parameters_of(gm: fx.GraphModule) -> None:
+    """Divide each trainable parameter's gradient by the accumulated scale of its module's output gradient.
 
-        def unscale(grad: torch.Tensor, index: int = index) -> torch.Tensor:
-            return grad / state.table[index].to(grad.dtype)
+    Tensor hooks are not copied by ``copy.deepcopy``, so the transformed model re-registers them on its copies
+    from ``adaloss.param_slots`` (see :func:`transform_model`).
+    """
+    state = gm.adaloss.state
 
-        handles.extend(p.register_hook(unscale) for p in module.parameters())
-    return handles
+    def unscaler(index: int):
+        def unscale(grad: torch.Tensor) -> torch.Tensor:
+            return (grad.float() / state.table[index]).to(grad.dtype)
+        return unscale
+
+    for module_name, index in gm.adaloss.param_slots:
+        for p in gm.get_submodule(module_name).parameters():
+            if p.requires_grad:
+                p.register_hook(unscaler(index))
 
 
 class AdalossModules(nn.Module):
@@ -235,6 +273,8 @@ class AdalossModules(nn.Module):
         self.scale = nn.ModuleList()
         self.measure = nn.ModuleList()
         self.branch = nn.ModuleList()
+        self.output: OutputPoint | None = None
+        self.param_slots: list[tuple[str, int]] = []
 
     def table_text(self) -> str:
         """The scale points (qualified name, type, fan) and branch points as a text table."""
@@ -257,12 +297,14 @@ def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scal
     the state_dict are those of ``model``.
     """
     gm = _trace(model)
+    gm.graph.eliminate_dead_code()  # unused tuple items (`out, _ = lstm(x)`) are not consumers
     _remove_inplace(gm)
     calls = _check_parameters(gm, tuple(passthrough_modules))
     state = ScaleState(1, 1, options, init_scale)
     gm.adaloss = AdalossModules(state)
     plan = _Plan(state=state, points=[], branches=[])
     _insert_scale_points(gm, plan, calls)
+    _insert_output_point(gm, plan)
     _insert_branches(gm, plan)
     slot = _assign_slots(gm, plan)
     device = next(iter(model.parameters()), torch.empty(0)).device
@@ -272,11 +314,24 @@ def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scal
         state.register_buffer(name, torch.ones(max(len(plan.points), 1), device=device), persistent=False)
     state.register_buffer("underflow", torch.full((max(len(plan.points), 1),), float("nan"), device=device),
                           persistent=False)
+    gm.adaloss.to(device)
+    gm.adaloss.param_slots = [(node.target, slot[node]) for node in calls]
     if hook_parameters:
-        gm.adaloss_hooks = _hook_parameters(calls, slot, state)
+        hook_parameters_of(gm)
     gm.graph.lint()
     gm.recompile()
-    type(gm).__str__ = lambda self: self.adaloss.table_text() + "\n\n" + fx.GraphModule.__str__(self)
+    cls = type(gm)  # fx gives every GraphModule a class of its own, so these touch this model only
+    cls.__str__ = lambda self: self.adaloss.table_text() + "\n\n" + fx.GraphModule.__str__(self)
+    if hook_parameters:
+        cls.__deepcopy__ = _deepcopy_with_hooks
     return gm
+
+
+def _deepcopy_with_hooks(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    copied = fx.GraphModule.__deepcopy__(self, memo)
+    hook_parameters_of(copied)
+    type(copied).__str__ = type(self).__str__
+    type(copied).__deepcopy__ = _deepcopy_with_hooks
+    return copied
 
 

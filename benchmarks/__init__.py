@@ -1,0 +1,1 @@
+"""Benchmarks for adaloss. ``python -m benchmarks`` (``make bench``) runs :mod:`benchmarks.step_time`."""
