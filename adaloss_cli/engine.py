@@ -7,8 +7,11 @@ and hands what comes back to the run writer.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -18,7 +21,8 @@ from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, StepOutcome
 from adaloss_cli.config.schema import ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
-from adaloss_cli.errors import UserError
+from adaloss_cli.errors import Diverged, Interrupted, UserError
+from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
 
 
@@ -46,26 +50,40 @@ def plan_steps(config: ExperimentConfig, batches_per_epoch: int, train_examples:
     return Plan(steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
-class _Tally:
-    """Running counts for the summary."""
-
-    def __init__(self) -> None:
-        self.skipped = self.overflows = self.retries = 0
-        self.step_time = 0.0
-        self.epoch_losses: list[float] = []
-        self.last_epoch_loss = float("nan")
-        self.underflow: dict[str, list[float]] = {}
+@dataclass
+class Progress:
+    """Everything the loop accumulates, so that a resumed run ends exactly as an uninterrupted one."""
+    step: int = 0
+    skipped: int = 0
+    overflows: int = 0
+    retries: int = 0
+    consecutive_nonfinite: int = 0
+    step_time: float = 0.0
+    elapsed_before: float = 0.0
+    epoch_losses: list[float] = field(default_factory=list)
+    last_epoch_loss: float = float("nan")
+    underflow: dict[str, list[float]] = field(default_factory=dict)
+    evals: list[dict[str, float]] = field(default_factory=list)
 
     def add(self, outcome: StepOutcome, seconds: float) -> None:
+        """Count one step."""
         self.skipped += outcome.skipped
         self.overflows += outcome.overflow
         self.retries += outcome.retries
         self.step_time += seconds
-        if math.isfinite(outcome.loss):
+        finite = math.isfinite(outcome.loss)
+        self.consecutive_nonfinite = 0 if finite else self.consecutive_nonfinite + 1
+        if finite:
             self.epoch_losses.append(outcome.loss)
         for record in outcome.layers:
             if math.isfinite(record.underflow_fraction):
                 self.underflow.setdefault(record.layer, []).append(record.underflow_fraction)
+
+    def close_epoch(self) -> float:
+        """Mean finite training loss of the epoch that just ended."""
+        self.last_epoch_loss = (sum(self.epoch_losses) / len(self.epoch_losses)) if self.epoch_losses else math.nan
+        self.epoch_losses = []
+        return self.last_epoch_loss
 
     def underflow_summary(self) -> dict[str, Any]:
         """Mean underflow fraction over scale points and recorded steps, the worst scale point's mean, and the
@@ -79,11 +97,6 @@ class _Tally:
         return {"underflow_mean": sum(per_layer.values()) / len(per_layer), "underflow_worst": per_layer[worst],
                 "underflow_worst_layer": worst, "underflow_output": output}
 
-    def close_epoch(self) -> float:
-        self.last_epoch_loss = (sum(self.epoch_losses) / len(self.epoch_losses)) if self.epoch_losses else math.nan
-        self.epoch_losses = []
-        return self.last_epoch_loss
-
 
 def prepare(config: ExperimentConfig) -> tuple[Dataset, Backend]:
     """Everything that can fail on user input (backend, device, dataset, model), before any file is written."""
@@ -93,73 +106,138 @@ def prepare(config: ExperimentConfig) -> tuple[Dataset, Backend]:
     return dataset, backend_cls(config, dataset.input_shape, dataset.num_classes, device)
 
 
+#: Test-only fault hook: comma-separated step numbers whose loss is made NaN. Only this environment variable can
+#: reach it; no config key does.
+FAULT_ENV = "ADALOSS_TEST_INJECT_NAN_AT"
+
+
+def _fault_steps() -> set[int]:
+    raw = os.environ.get(FAULT_ENV, "")
+    return {int(part) for part in raw.split(",") if part.strip().isdigit()}
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (a second one stops at once)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
 class Trainer:
-    """Runs one prepared experiment into one run directory."""
+    """Runs one prepared experiment into one run directory, from the start or from a checkpoint."""
 
     def __init__(self, config: ExperimentConfig, dataset: Dataset, backend: Backend, writer: RunWriter,
-                 progress: bool = True) -> None:
+                 checkpoints: CheckpointStore, progress: bool = True, resume: dict[str, Any] | None = None) -> None:
         self.config = config
         self.dataset = dataset
         self.backend = backend
         self.writer = writer
-        self.progress = progress and config.output.progress
+        self.checkpoints = checkpoints
+        self.show_progress = progress and config.output.progress
+        self.state = Progress()
+        if resume is not None:
+            backend.load_state_dict(resume["backend"])
+            self.state = Progress(**resume["progress"])
         writer.set_meta(device=backend.device, backend=config.backend, model=backend.describe(),
                         dataset={"name": dataset.name, "train": len(dataset.y_train), "val": len(dataset.y_val)})
 
+    def _checkpoint(self, elapsed: float) -> None:
+        state = asdict(self.state)
+        state["elapsed_before"] = self.state.elapsed_before + elapsed
+        self.checkpoints.save(self.state.step, {"backend": self.backend.state_dict(), "progress": state,
+                                                "offsets": self.writer.offsets()})
+
     def run(self) -> dict[str, Any]:
-        """Train, evaluate every ``eval_every_epochs`` epochs and at the end; return the summary."""
-        cfg, dataset, backend = self.config, self.dataset, self.backend
+        """Train from the current step, evaluating every ``eval_every_epochs`` epochs and at the end; checkpoint
+        every ``checkpoint_every`` steps, at the end and when stopped by a signal; return the summary."""
+        cfg, dataset, backend, state = self.config, self.dataset, self.backend, self.state
         started = time.perf_counter()
         stream = BatchStream(dataset, cfg.training.batch_size, cfg.run.seed, augment=dataset.augment)
         plan = plan_steps(cfg, stream.batches_per_epoch, len(dataset.y_train))
-        accum = cfg.training.grad_accum_steps
-        tally, evals = _Tally(), []
-        bar = tqdm(total=plan.total_steps, desc=cfg.run.name, unit="step", disable=not self.progress,
-                   dynamic_ncols=True, leave=True)
-        for step in range(plan.total_steps):
-            epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-            micro = [stream.batch(epoch, step_in_epoch * accum + i) for i in range(accum)]
-            lr = learning_rate(step, plan.total_steps, cfg.training.optimizer.lr, cfg.training.lr_schedule)
-            record = step % cfg.output.record_every == 0 or step == plan.total_steps - 1
-            t0 = time.perf_counter()
-            outcome = backend.train_step(micro, lr, record=record)
-            tally.add(outcome, time.perf_counter() - t0)
-            self.writer.step(step, epoch, lr, outcome, time.perf_counter() - started)
-            bar.update(1)
-            bar.set_postfix(loss=f"{outcome.loss:.4f}", scale=f"{outcome.scale:g}", skipped=tally.skipped,
-                            refresh=False)
-            last = step == plan.total_steps - 1
-            if step_in_epoch == plan.steps_per_epoch - 1 or last:
-                train_loss = tally.close_epoch()
-                if (epoch + 1) % cfg.training.eval_every_epochs == 0 or last:
-                    result = backend.evaluate(eval_batches(dataset.x_val, dataset.y_val,
-                                                           cfg.training.eval_batch_size))
-                    evals.append(result)
-                    bar.set_postfix(loss=f"{train_loss:.4f}", val_acc=f"{result.accuracy:.3f}",
-                                    skipped=tally.skipped)
-                    self.writer.epoch({"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss,
-                                       "val_loss": result.loss, "val_accuracy": result.accuracy, "lr": lr,
-                                       "skipped_steps": tally.skipped,
-                                       "elapsed_s": round(time.perf_counter() - started, 3)})
+        accum, faults = cfg.training.grad_accum_steps, _fault_steps()
+        bar = tqdm(total=plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
+                   disable=not self.show_progress, dynamic_ncols=True, leave=True)
+        with _StopSignals() as stop:
+            for step in range(state.step, plan.total_steps):
+                epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+                micro = [stream.batch(epoch, step_in_epoch * accum + i) for i in range(accum)]
+                lr = learning_rate(step, plan.total_steps, cfg.training.optimizer.lr, cfg.training.lr_schedule)
+                record = step % cfg.output.record_every == 0 or step == plan.total_steps - 1
+                backend.inject_nonfinite_loss = step in faults
+                t0 = time.perf_counter()
+                outcome = backend.train_step(micro, lr, record=record)
+                state.add(outcome, time.perf_counter() - t0)
+                state.step = step + 1
+                self.writer.step(step, epoch, lr, outcome, state.elapsed_before + time.perf_counter() - started)
+                if not math.isfinite(outcome.loss):
+                    bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
+                              else f"step {step}: loss is {outcome.loss}")
+                bar.update(1)
+                bar.set_postfix(loss=f"{outcome.loss:.4f}", scale=f"{outcome.scale:g}", skipped=state.skipped,
+                                refresh=False)
+                last = step == plan.total_steps - 1
+                if step_in_epoch == plan.steps_per_epoch - 1 or last:
+                    self._end_epoch(epoch, step, lr, last, started)
+                if state.consecutive_nonfinite >= cfg.training.max_consecutive_nonfinite:
+                    raise Diverged(f"the loss was not finite for {state.consecutive_nonfinite} steps in a row "
+                                   f"(up to step {step}); lower training.optimizer.lr, check the data, or use "
+                                   "another loss_scaling.method")
+                every = cfg.output.checkpoint_every
+                if stop.signum is not None or (every and state.step % every == 0 and not last):
+                    self._checkpoint(time.perf_counter() - started)
+                if stop.signum is not None:
+                    name = signal.Signals(stop.signum).name
+                    raise Interrupted(f"stopped by {name} after step {step}; a checkpoint was written: resume "
+                                      f"with adaloss train --resume {self.writer.run_dir}", stop.signum)
         bar.close()
-        return self._summary(backend, plan, tally, evals, time.perf_counter() - started)
+        self._checkpoint(time.perf_counter() - started)
+        return self._summary(plan, state.elapsed_before + time.perf_counter() - started)
 
-    def _summary(self, backend: Backend, plan: Plan, tally: _Tally, evals: list, wall: float) -> dict[str, Any]:
-        cfg = self.config
+    def _end_epoch(self, epoch: int, step: int, lr: float, last: bool, started: float) -> None:
+        cfg, state = self.config, self.state
+        train_loss = state.close_epoch()
+        if (epoch + 1) % cfg.training.eval_every_epochs != 0 and not last:
+            return
+        result = self.backend.evaluate(eval_batches(self.dataset.x_val, self.dataset.y_val,
+                                                    cfg.training.eval_batch_size))
+        state.evals.append({"loss": result.loss, "accuracy": result.accuracy})
+        self.writer.epoch({"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss, "val_loss": result.loss,
+                           "val_accuracy": result.accuracy, "lr": lr, "skipped_steps": state.skipped,
+                           "elapsed_s": round(state.elapsed_before + time.perf_counter() - started, 3)})
+
+    def _summary(self, plan: Plan, wall: float) -> dict[str, Any]:
+        cfg, backend, state = self.config, self.backend, self.state
         peak = backend.peak_memory_bytes()
+        evals = state.evals
         return {
             "status": "completed", "run_name": cfg.run.name, "backend": cfg.backend, "device": backend.device,
             "model": cfg.model.name, "dataset": cfg.data.name, "precision": cfg.precision.dtype,
             "method": cfg.loss_scaling.method, "seed": cfg.run.seed,
-            "final_val_accuracy": evals[-1].accuracy if evals else None,
-            "best_val_accuracy": max(e.accuracy for e in evals) if evals else None,
-            "final_val_loss": evals[-1].loss if evals else None,
-            "final_train_loss": tally.last_epoch_loss,
+            "final_val_accuracy": evals[-1]["accuracy"] if evals else None,
+            "best_val_accuracy": max(e["accuracy"] for e in evals) if evals else None,
+            "final_val_loss": evals[-1]["loss"] if evals else None,
+            "final_train_loss": state.last_epoch_loss,
             "steps": plan.total_steps, "epochs": plan.epochs,
-            "skipped_steps": tally.skipped, "overflow_steps": tally.overflows, "retries": tally.retries,
+            "skipped_steps": state.skipped, "overflow_steps": state.overflows, "retries": state.retries,
             "final_scale": backend.final_scale(),
             "wall_time_s": round(wall, 3),
-            "time_per_step_s": tally.step_time / max(plan.total_steps, 1),
+            "time_per_step_s": state.step_time / max(plan.total_steps, 1),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,
-            **tally.underflow_summary(),
+            **state.underflow_summary(),
         }

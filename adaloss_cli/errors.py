@@ -14,10 +14,27 @@ class AdalossError(Exception):
 class UserError(AdalossError):
     """The user asked for something invalid: a bad config, a missing dataset folder, an existing run directory."""
 
+    exit_code = 2
+
 
 class RuntimeFailure(AdalossError):
     """Something failed while running a valid request: a diverged run, an unwritable disk."""
 
+    exit_code = 1
 
-class LossScaleFloorError(RuntimeFailure):
+
+class Diverged(RuntimeFailure):
+    """Training cannot go on: the loss stayed non-finite, or the loss scale hit its floor."""
+
+
+class LossScaleFloorError(Diverged):
     """The dynamic loss scale hit its floor with ``on_floor: raise`` and overflowed again."""
+
+
+class Interrupted(RuntimeFailure):
+    """SIGINT or SIGTERM stopped the run after a checkpoint; the exit code is 128 + the signal number."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -5,14 +5,19 @@ Used by ``adaloss train`` and, once per child run, by ``compare`` and ``batch``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adaloss_cli.backends.base import Backend
+from adaloss_cli.config import load_config
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.core.policies import resolve_dynamic
 from adaloss_cli.data import BatchStream, Dataset
 from adaloss_cli.engine import Trainer, plan_steps, prepare
+from adaloss_cli.errors import Diverged, Interrupted, UserError
+from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.rundir import claim_exact_dir, create_run_dir
 from adaloss_cli.results.run_writer import RunWriter
 
@@ -50,22 +55,58 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
                    progress: bool = True, command: list[str] | None = None) -> RunResult:
     """Train ``config`` into a new run directory (``out`` exactly, or a unique one under ``output.root``).
 
-    User mistakes surface before the directory is created; a failure or interruption afterwards leaves the
-    directory with ``meta.json`` status ``failed``/``interrupted``.
+    User mistakes surface before the directory is created; a failure, divergence or interruption afterwards leaves
+    the directory with ``meta.json`` status ``failed``/``diverged``/``interrupted`` and its checkpoints.
     """
     dataset, backend = prepare(config)
     check_plan(config, dataset)
     run_dir = claim_exact_dir(out, overwrite) if out is not None else create_run_dir(
         Path(config.output.root), run_directory_stem(config))
     writer = RunWriter(run_dir, resolved_config_dict(config), command)
+    return _train(config, dataset, backend, writer, None, progress)
+
+
+def resume_experiment(run_dir: Path, *, progress: bool = True, command: list[str] | None = None) -> RunResult:
+    """Continue an interrupted or failed run in place, from its newest readable checkpoint (or from the start).
+
+    The config is the run's own resolved ``config.yaml``; the logs are cut back to what the checkpoint had seen, so
+    the finished directory is the one an uninterrupted run would have written (timings aside).
+    """
+    run_dir = Path(run_dir)
+    meta_path, config_path = run_dir / "meta.json", run_dir / "config.yaml"
+    if not run_dir.is_dir() or not meta_path.is_file() or not config_path.is_file():
+        raise UserError(f"--resume '{run_dir}' is not an adaloss run directory (it needs meta.json and config.yaml); "
+                        "give the directory `adaloss train` printed")
     try:
-        summary = Trainer(config, dataset, backend, writer, progress=progress).run()
+        status = json.loads(meta_path.read_text(encoding="utf-8")).get("status")
+    except (OSError, ValueError) as err:
+        raise UserError(f"--resume '{run_dir}': meta.json is unreadable ({err}); start a new run") from None
+    if status == "completed":
+        raise UserError(f"--resume '{run_dir}': the run already completed; start a new run instead")
+    config = load_config(config_path)
+    dataset, backend = prepare(config)
+    record = CheckpointStore(run_dir, config.output.keep_checkpoints).latest()
+    writer = RunWriter.reopen(run_dir, record["offsets"] if record else {}, command)
+    return _train(config, dataset, backend, writer, record, progress)
+
+
+def _train(config: ExperimentConfig, dataset: Dataset, backend: Backend, writer: RunWriter,
+           resume: dict[str, Any] | None, progress: bool) -> RunResult:
+    """Run the trainer and record how it ended in meta.json (and summary.json when it completed)."""
+    store = CheckpointStore(writer.run_dir, config.output.keep_checkpoints)
+    try:
+        summary = Trainer(config, dataset, backend, writer, store, progress=progress, resume=resume).run()
+    except Interrupted as err:
+        writer.finish("interrupted", error=str(err))
+        raise
     except KeyboardInterrupt:
-        writer.finish("interrupted", error="interrupted by the user")
+        writer.finish("interrupted", error="interrupted by the user before a checkpoint could be written")
+        raise
+    except Diverged as err:
+        writer.finish("diverged", error=str(err))
         raise
     except BaseException as err:
         writer.finish("failed", error=f"{type(err).__name__}: {err}")
         raise
     writer.finish("completed", summary)
-    return RunResult(run_dir=run_dir, summary=summary)
-
+    return RunResult(run_dir=writer.run_dir, summary=summary)

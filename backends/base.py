@@ -53,6 +53,8 @@ class Backend(ABC):
     """A training framework behind one interface: build, step, evaluate, save and restore."""
 
     name: ClassVar[str]
+    #: Set by the engine's test-only fault hook: make this step's loss NaN (see engine.FAULT_ENV).
+    inject_nonfinite_loss: bool = False
 
     def __init__(self, config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int,
                  device: str) -> None:

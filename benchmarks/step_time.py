@@ -126,7 +126,7 @@ class Runner:
         self.variant = variant
         if variant == "gradscaler":
             self.model = copy.deepcopy(initial)
-            self.scaler: Any = torch.amp.GradScaler(device)
+            self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
         elif variant == "dynamic":
             self.model = copy.deepcopy(initial)
             self.scaler = LossScaler(self.model, "dynamic")
@@ -299,9 +299,9 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     method = "cuda.max_memory_allocated"
     if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     else:
         exact = _reset_hwm()
         method = "VmHWM" if exact else "ru_maxrss"
@@ -310,8 +310,8 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     for k in range(work.memory_steps):
         runner.step(*batches[k % len(batches)])
     if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
     else:
         hwm = _hwm_bytes() if method == "VmHWM" else None
         peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -364,7 +364,7 @@ def measure_memory(probes: dict[tuple[str, str], dict[str, Any]], jobs: int) -> 
 # -- profiling (optional) ----------------------------------------------------------------------------------------------
 
 def profile_variants(runners: dict[str, Runner], batches: list, device: str, steps: int, rows: int = 15) -> None:
-    """torch.profiler's top operators (by self time) over ``steps`` steps of every non-reference variant."""
+    """torch.profiler's top operators (by self time) over ``steps`` steps of every variant."""
     from torch.profiler import ProfilerActivity, profile
 
     sync = _synchronizer(device)
@@ -454,7 +454,7 @@ def environment(device: str) -> dict[str, Any]:
     except OSError:
         pass
     if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu"] = torch.cuda.get_device_name(device)
     if hasattr(os, "getloadavg"):
         env["loadavg_start"] = os.getloadavg()
     env["source"] = _source_state()

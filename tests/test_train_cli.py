@@ -290,3 +290,13 @@ def test_validate_missing_file_exits_2(invoke, tmp_path):
     result = invoke("validate", tmp_path / "nope.yaml")
     assert result.exit_code == 2
     assert "nope.yaml" in result.stderr
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(invoke, tiny_config, tmp_path):
+    out = tmp_path / "my-project"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    result = train(invoke, tiny_config, out, "--overwrite")
+    assert result.exit_code == 2
+    assert "not an adaloss run directory" in result.stderr
+    assert (out / "thesis.tex").read_text() == "years of work"

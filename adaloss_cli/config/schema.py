@@ -116,6 +116,8 @@ class TrainingConfig:
                                              min=0.0, exclusive_min=True)
     eval_every_epochs: int = option(1, "Evaluate on the validation set every N epochs (and always at the end).",
                                     min=1)
+    max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
+                                            "loss is NaN or infinite.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")
     lr_schedule: ScheduleConfig = section(ScheduleConfig, "Learning-rate schedule.")
 
@@ -196,6 +198,9 @@ class OutputConfig:
     """Where and what to write."""
     root: str = option("runs", "Folder that holds run directories.")
     record_every: int = option(10, "Record per-layer scales and underflow every N steps.", min=1)
+    checkpoint_every: Optional[int] = option(100, "Write a checkpoint every N steps (and always at the end); null: "
+                                             "only at the end.", min=1)
+    keep_checkpoints: int = option(2, "How many of the newest checkpoints to keep.", min=1)
     progress: bool = option(True, "Show a progress bar.")
 
 

@@ -36,19 +36,50 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+LOG_FILES = ("steps.jsonl", "metrics.csv", "scales.csv")
+
+
 class RunWriter:
     """Writes config.yaml, meta.json, steps.jsonl, metrics.csv, scales.csv and summary.json of one run."""
 
-    def __init__(self, run_dir: Path, resolved_config: dict[str, Any], command: list[str] | None = None) -> None:
+    def __init__(self, run_dir: Path, resolved_config: dict[str, Any] | None, command: list[str] | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
-        atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
-        self.meta: dict[str, Any] = {"status": "running", "started": _now(), "finished": None,
-                                     "command": command or sys.argv, "host": platform.node(),
-                                     "platform": platform.platform(), "versions": package_versions()}
+        if resolved_config is not None:
+            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+        self.meta: dict[str, Any] = meta or {"status": "running", "started": _now(), "finished": None,
+                                             "command": command or sys.argv, "host": platform.node(),
+                                             "platform": platform.platform(), "versions": package_versions()}
         self._write_meta()
+        self._open_logs()
+
+    @classmethod
+    def reopen(cls, run_dir: Path, offsets: dict[str, int], command: list[str] | None = None) -> "RunWriter":
+        """Continue writing an interrupted run: logs cut back to ``offsets`` (what the checkpoint had seen)."""
+        run_dir = Path(run_dir)
+        for name in LOG_FILES:
+            path = run_dir / name
+            if path.exists():
+                with open(path, "r+b") as handle:
+                    handle.truncate(offsets.get(name, 0))
+        meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))
+        meta.setdefault("resumed", []).append({"at": _now(), "command": command or sys.argv})
+        meta.update(status="running", finished=None)
+        meta.pop("error", None)
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        return cls(run_dir, None, meta=meta)
+
+    def offsets(self) -> dict[str, int]:
+        """Current size of each log, as a checkpoint records it (everything written so far is flushed)."""
+        return {name: (self.run_dir / name).stat().st_size if (self.run_dir / name).exists() else 0
+                for name in LOG_FILES}
+
+    def _open_logs(self) -> None:
         self._steps = JsonLinesWriter(self.run_dir / "steps.jsonl")
         self._metrics = CsvWriter(self.run_dir / "metrics.csv", METRICS_COLUMNS)
         self._scales: CsvWriter | None = None
+        if (self.run_dir / "scales.csv").exists():
+            self._scales = CsvWriter(self.run_dir / "scales.csv", SCALES_COLUMNS)
 
     def _write_meta(self) -> None:
         atomic_write_json(self.run_dir / "meta.json", self.meta)

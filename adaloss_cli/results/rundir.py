@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 import shutil
 from pathlib import Path
 
 from adaloss_cli.errors import RuntimeFailure, UserError
 
-RUN_FILES = ("config.yaml", "meta.json", "steps.jsonl", "metrics.csv", "scales.csv", "summary.json")
+RUN_FILES = ("config.yaml", "meta.json", "steps.jsonl", "metrics.csv", "scales.csv", "summary.json", "checkpoints")
 
 
 def _timestamp() -> str:
@@ -27,7 +28,11 @@ def _make_dir(path: Path) -> None:
     except OSError as err:
         if isinstance(err, FileExistsError):
             raise
-        raise RuntimeFailure(f"output: cannot create '{path}': {err.strerror}") from None
+        if err.errno == errno.ENOSPC:
+            raise RuntimeFailure(f"output: cannot create '{path}': the disk is full; free space or choose "
+                                 "another --out or output.root") from None
+        raise UserError(f"output: cannot create '{path}': {err.strerror}; choose a writable --out or "
+                        "output.root") from None
 
 
 def create_run_dir(root: Path, stem: str) -> Path:
@@ -55,6 +60,9 @@ def claim_exact_dir(path: Path, overwrite: bool) -> Path:
         if not overwrite:
             raise UserError(f"--out '{path}' already holds files; pass --overwrite to replace them, or choose "
                             "another directory")
+        if not (path / "meta.json").is_file():
+            raise UserError(f"--out '{path}' holds files but is not an adaloss run directory (no meta.json); "
+                            "--overwrite only replaces runs: choose an empty or new directory")
         shutil.rmtree(path)
     if not path.exists():
         _make_dir(path)

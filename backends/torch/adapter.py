@@ -73,6 +73,8 @@ class TorchBackend(Backend):
                 model = self.scaler.start_recording(self._reference_loss(x, y))
                 x = x.detach().requires_grad_(True)
             loss = F.cross_entropy(self.forward(model, x), y) / len(micro_batches)
+            if self.inject_nonfinite_loss:
+                loss = loss * float("nan")
             self.scaler.scale(loss).backward()
             total = total + loss.detach()
         return total
