@@ -89,6 +89,9 @@ def conv_fan(out_channels: int, kernel_size: int | Sequence[int], groups: int = 
     return out_channels // groups * math.prod(kernel)
 
 
+_CONSTANTS: dict[tuple[str, str, float], Any] = {}
+
+
 class Float32Ops:
     """The namespace and device of some arrays, and float32 constants on that device.
 
@@ -102,10 +105,15 @@ class Float32Ops:
         self._numpy = array_api_compat.is_numpy_namespace(self.xp)
 
     def const(self, value: float) -> Any:
-        """A float32 scalar usable in arithmetic and in namespace functions alike."""
+        """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
+        a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
         if self._numpy:
             return np.float32(value)
-        return self.xp.full((), value, dtype=self.xp.float32, device=self.device)
+        key = (self.xp.__name__, str(self.device), float(value))
+        cached = _CONSTANTS.get(key)
+        if cached is None:
+            cached = _CONSTANTS[key] = self.xp.full((), value, dtype=self.xp.float32, device=self.device)
+        return cached
 
     def f32(self, x: Any) -> Any:
         """x as float32 (no copy when it already is)."""

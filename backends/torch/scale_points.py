@@ -204,6 +204,7 @@ class BranchPoint(nn.Module):
         self.index, self.name, self.fan_out = index, name, fan_out
         self.in_slot = 0
         self.out_slots: list[int] = []
+        self.register_buffer("common", torch.ones(()), persistent=False)
 
     def forward(self, x: torch.Tensor):
         return _Branch.apply(x, self)
@@ -220,8 +221,14 @@ class BranchPoint(nn.Module):
             state.table[self.in_slot] = state.table[present[0][1]]
             return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]
         tensors = [g for g, _ in present]
-        u_max = state.options.range_for(tensors[0].dtype)[1]
-        common, multipliers = branch_common_scale(tensors, [state.table[slot] for _, slot in present], u_max)
+        scales = [state.table[slot] for _, slot in present]
+        if state.refresh:  # between refreshes every factor, so every incoming scale, is the same as then
+            u_max = state.options.range_for(tensors[0].dtype)[1]
+            common, multipliers = branch_common_scale(tensors, scales, u_max)
+            self.common.copy_(common)
+        else:
+            common = self.common
+            multipliers = [common / a for a in scales]
         state.table[self.in_slot] = common
         total = tensors[0] * multipliers[0].to(tensors[0].dtype)
         for g, m in zip(tensors[1:], multipliers[1:]):
@@ -268,8 +275,9 @@ class OutputPoint(nn.Module):
             return g.to(dtype)
         accum = state.table[0]
         if state.adaptive:
-            factor = output_factor(g, dtype, state.options)
-            self.factor.copy_(factor)
+            if state.refresh:
+                self.factor.copy_(output_factor(g, dtype, state.options))
+            factor = self.factor
             state.table[self.in_slot] = accum * factor
             cast = (g * factor).to(dtype)
         else:

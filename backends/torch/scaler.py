@@ -247,7 +247,12 @@ class LossScaler:
         """Everything needed to resume scaling exactly."""
         state = {"method": self.method, "policy": self.policy.state_dict()}
         if self.method == "adaptive":
-            state["layers"] = self.model.adaloss.state.state_dict_values()
+            adaloss = self.model.adaloss
+            state["layers"] = adaloss.state.state_dict_values()
+            # Reused between refreshes (update_per_n_iteration), so a resume mid-interval needs them too.
+            state["branch_common"] = [b.common.cpu() for b in adaloss.branch]
+            if adaloss.output is not None:
+                state["output_factor"] = adaloss.output.factor.cpu()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -256,4 +261,9 @@ class LossScaler:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
         if self.method == "adaptive":
-            self.model.adaloss.state.load_state_values(state["layers"])
+            adaloss = self.model.adaloss
+            adaloss.state.load_state_values(state["layers"])
+            for branch, common in zip(adaloss.branch, state.get("branch_common", [])):
+                branch.common.copy_(common)
+            if adaloss.output is not None and "output_factor" in state:
+                adaloss.output.factor.copy_(state["output_factor"])
