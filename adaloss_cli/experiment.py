@@ -36,6 +36,18 @@ def resolved_config_dict(config: ExperimentConfig) -> dict[str, Any]:
     return data
 
 
+def config_warnings(config: ExperimentConfig) -> list[str]:
+    """Valid but questionable combinations, worth a line on stderr."""
+    warnings = []
+    method = config.loss_scaling.method
+    if config.precision.dtype == "bfloat16" and method != "none":
+        warnings.append(f"precision.dtype is bfloat16, which has float32's exponent range and needs no loss scaling; "
+                        f"loss_scaling.method '{method}' only adds work (use none)")
+    if config.precision.dtype == "float32" and method != "none":
+        warnings.append(f"precision.dtype is float32: loss_scaling.method '{method}' changes nothing but speed")
+    return warnings
+
+
 def run_directory_stem(config: ExperimentConfig) -> str:
     """``<run name>-<method>``: the method is in every run directory's name."""
     return f"{config.run.name}-{config.loss_scaling.method}"

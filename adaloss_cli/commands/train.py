@@ -43,7 +43,7 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
     SIGINT (Ctrl-C) or SIGTERM stops after the current step with a checkpoint (status `interrupted`, exit code
     128 + the signal number); `--resume` then continues to exactly the result of an uninterrupted run.
     """
-    from adaloss_cli.experiment import resume_experiment, run_experiment
+    from adaloss_cli.experiment import config_warnings, resume_experiment, run_experiment
     from adaloss_cli.results.report import format_summary
 
     argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
@@ -58,6 +58,8 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
     else:
         extra = [f"device={device}"] if device else []
         config = load_config(config_path, list(overrides) + extra)
+        for warning in config_warnings(config):
+            click.echo(f"Warning: {warning}", err=True)
         result = run_experiment(config, out=out, overwrite=overwrite, progress=not quiet, command=command)
     if quiet:
         click.echo(str(result.run_dir))

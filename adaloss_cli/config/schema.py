@@ -144,13 +144,13 @@ class DynamicScalingConfig:
     Fields left unset (null) take the preset's value.
     """
     preset: str = option("pytorch", "Defaults to start from.", choices=DYNAMIC_PRESETS)
-    init_scale: Optional[float] = option(None, "Initial loss scale.", min=0.0, exclusive_min=True)
-    growth_factor: Optional[float] = option(None, "Multiplier after growth_interval clean steps.", min=1.0)
-    backoff_factor: Optional[float] = option(None, "Multiplier on overflow.", min=0.0, max=1.0, exclusive_min=True)
-    growth_interval: Optional[int] = option(None, "Clean steps in a row before the scale grows.", min=1)
-    hysteresis: Optional[int] = option(None, "Overflows tolerated before the scale backs off.", min=1)
-    min_scale: Optional[float] = option(None, "Floor of the scale.", min=0.0, exclusive_min=True)
-    max_scale: Optional[float] = option(None, "Ceiling of the scale.", min=0.0, exclusive_min=True)
+    init_scale: Optional[float] = option(None, "Initial loss scale. null: the preset's value.", min=0.0, exclusive_min=True)
+    growth_factor: Optional[float] = option(None, "Multiplier after growth_interval clean steps. null: the preset's value.", min=1.0)
+    backoff_factor: Optional[float] = option(None, "Multiplier on overflow. null: the preset's value.", min=0.0, max=1.0, exclusive_min=True)
+    growth_interval: Optional[int] = option(None, "Clean steps in a row before the scale grows. null: the preset's value.", min=1)
+    hysteresis: Optional[int] = option(None, "Overflows tolerated before the scale backs off. null: the preset's value.", min=1)
+    min_scale: Optional[float] = option(None, "Floor of the scale. null: the preset's value.", min=0.0, exclusive_min=True)
+    max_scale: Optional[float] = option(None, "Ceiling of the scale. null: the preset's value.", min=0.0, exclusive_min=True)
     on_floor: Optional[str] = option(None, "At min_scale with another overflow: clamp (keep going) or raise "
                                      "(stop the run as diverged).", choices=FLOOR_BEHAVIOURS)
     on_overflow: Optional[str] = option(None, "skip the step, or retry the same batch with the smaller scale.",
