@@ -215,7 +215,7 @@ def test_backend_chainer_is_refused_clearly(invoke, tiny_config, tmp_path):
     assert_nothing_written(tmp_path)
 
 
-def test_divergence_at_the_floor_exits_1_and_marks_the_run_failed(invoke, tiny_config, tmp_path):
+def test_divergence_at_the_floor_exits_1_and_marks_the_run_diverged(invoke, tiny_config, tmp_path):
     # fp16 overflows at 2**40 whatever the floor, so deepspeed's on_floor: raise stops the run on its third step.
     out = tmp_path / "run"
     result = train(invoke, tiny_config, out, "--set", "precision.dtype=float16",
@@ -225,7 +225,7 @@ def test_divergence_at_the_floor_exits_1_and_marks_the_run_failed(invoke, tiny_c
     assert result.exit_code == 1
     assert "floor" in result.stderr and "Traceback" not in result.output
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["status"] == "failed" and "LossScaleFloorError" in meta["error"]
+    assert meta["status"] == "diverged" and "floor" in meta["error"]
     assert meta["finished"] is not None
     assert not (out / "summary.json").exists()
     steps = read_jsonl(out / "steps.jsonl")
