@@ -1,4 +1,4 @@
-# Quick start:  make demo   (set up .venv and run the main job on the embedded digits data)
+# Quick start:  make demo   (set up .venv and compare every loss-scaling method on the embedded digits data)
 #               make test   (set up .venv with the test extras and run the whole suite)
 PYTHON ?= python3
 VENV   := .venv
@@ -25,7 +25,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(BIN)/adaloss train --config configs/digits.yaml
+	$(BIN)/adaloss compare fp32 none fixed dynamic adaptive --config configs/digits.yaml --set training.epochs=10
 
 test: install-test
 	$(BIN)/python -m pytest -q

@@ -10,12 +10,18 @@ import importlib
 import click
 
 from adaloss_cli import __version__
-from adaloss_cli.errors import AdalossError, UserError
+from adaloss_cli.errors import AdalossError
 
 # command name -> (module, function, one-line help shown in `adaloss --help`)
 COMMANDS = {
     "train": ("adaloss_cli.commands.train", "train", "Train one experiment from a YAML config."),
     "validate": ("adaloss_cli.commands.validate", "validate", "Check config files without training."),
+    "compare": ("adaloss_cli.commands.compare", "compare",
+                "Run one config once per loss-scaling method and seed; table and plots side by side."),
+    "batch": ("adaloss_cli.commands.batch", "batch",
+              "Run a sweep file's grid or list of overrides, resumably; aggregated table."),
+    "report": ("adaloss_cli.commands.report", "report",
+               "Rebuild tables and plots from run, comparison or sweep directories (no training)."),
     "env": ("adaloss_cli.commands.env", "env", "Print versions, backends and devices (for bug reports)."),
 }
 
@@ -55,7 +61,7 @@ class LazyGroup(click.Group):
         except AdalossError as err:
             if (ctx.obj or {}).get("debug"):
                 raise
-            raise ReportedError(str(err), 2 if isinstance(err, UserError) else 1) from None
+            raise ReportedError(str(err), err.exit_code) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
             raise
         except Exception as err:  # a bug, not a user mistake: say so, keep the traceback behind --debug

@@ -1,0 +1,165 @@
+"""``adaloss batch``: run every combination of a sweep file into one sweep directory, resumably."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from adaloss_cli.cli import ARGV_KEY
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold ``<folder>/.lock`` so that two batch runs never write one sweep directory at once."""
+    from adaloss_cli.errors import UserError
+
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(folder / ".lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"sweep directory '{folder}' is in use by another `adaloss batch`; wait for it to end"
+                            ) from None
+        yield
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def config_change(run_dir: Path, config) -> str | None:
+    """How a finished child's config.yaml differs from ``config`` (``key: old -> new``); output.* is ignored, and
+    so are keys only one side has (a newer adaloss may add keys with defaults)."""
+    import yaml
+
+    from adaloss_cli.experiment import resolved_config_dict
+    from adaloss_cli.results.rundata import RunData
+
+    old = _flat(RunData(run_dir).config)
+    new = _flat(yaml.safe_load(yaml.safe_dump(resolved_config_dict(config))))
+    for key in new:
+        if key in old and not key.startswith("output.") and old[key] != new[key]:
+            return f"{key}: {old[key]!r} -> {new[key]!r}"
+    return None
+
+
+@click.command()
+@click.argument("sweep_file", type=click.Path(dir_okay=False, path_type=Path), metavar="SWEEP.yaml")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Sweep directory (default: the sweep file's `out`, else <output.root>/sweep-<file name>).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs at once, each a `python -m adaloss_cli train` process with cores/N threads.")
+@click.option("--continue-on-error", is_flag=True,
+              help="Keep running the other combinations when one fails (default: stop at the first failure).")
+@click.option("--dry-run", is_flag=True, help="Validate the sweep and list its runs and their state; run nothing.")
+@click.option("--no-plots", is_flag=True, help="Write the summary table only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON on stdout (no Markdown).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the sweep directory.")
+def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool, dry_run: bool, no_plots: bool,
+          as_json: bool, quiet: bool) -> None:
+    """Run every combination of a sweep file; re-running the command resumes it.
+
+    \b
+    A sweep file names a base config and the overrides to sweep:
+      base: ../digits.yaml          # experiment config, relative to the sweep file
+      out: runs/sweep-digits        # sweep directory, relative to the current directory
+      set: {training.epochs: 2}     # overrides common to every run (optional)
+      grid:                         # cartesian product...
+        loss_scaling.method: [none, dynamic, adaptive]
+        run.seed: [0, 1]
+      # list: [{loss_scaling.method: none}, {loss_scaling.method: adaptive, training.optimizer.lr: 0.1}]
+
+    Every combination's config is validated before anything runs (all problems at once, exit 2). Each run goes to
+    <out>/runs/<name>, its name made from the swept values (method=none,seed=0); index.json maps names to
+    overrides. A second invocation skips completed and diverged runs and re-runs failed or interrupted ones from
+    scratch; a finished run whose config no longer matches the sweep is an error (choose another --out). The end
+    writes summary.csv, summary.md and plots, one row per combination of the swept keys with mean and std over
+    run.seed. Without --continue-on-error the first failure stops the sweep (exit 1, after the summary of what
+    finished).
+
+    \b
+    Examples:
+      adaloss batch configs/sweeps/digits.yaml
+      adaloss batch configs/sweeps/digits.yaml --jobs 2 --continue-on-error
+      adaloss batch configs/sweeps/digits.yaml --dry-run
+    """
+    from adaloss_cli.commands.report import show_outputs
+    from adaloss_cli.errors import RuntimeFailure, UserError
+    from adaloss_cli.results.children import Child, ChildRunner
+    from adaloss_cli.results.index import SWEEP, read_index, sweep_groups, write_index
+    from adaloss_cli.results.rundata import FINISHED, run_status
+    from adaloss_cli.results.rebuild import write_outputs
+    from adaloss_cli.results.sweep import load_sweep
+
+    sweep = load_sweep(sweep_file, out)
+    folder = sweep.out
+    states = {p.name: run_status(folder / "runs" / p.name) for p in sweep.points}
+    if dry_run:
+        click.echo(f"{sweep_file}: {len(sweep.points)} runs into {folder}")
+        width = max(len(point.name) for point in sweep.points)
+        for point in sweep.points:
+            state = states[point.name]
+            action = "skip" if state in FINISHED else "run" if state == "missing" else "re-run"
+            click.echo(f"  {point.name:<{width}}  {action:<6} ({state})")
+        return
+    if folder.exists() and any(folder.iterdir()) and (read_index(folder) or {}).get("kind") != SWEEP:
+        raise UserError(f"'{folder}' already holds files and is not a sweep directory (no index.json of kind "
+                        "sweep); choose another `out` or --out")
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
+    with _locked(folder):
+        children, to_run, stale = [], [], []
+        for point in sweep.points:
+            run_dir = folder / "runs" / point.name
+            entry = {"name": point.name, "dir": f"runs/{point.name}", "overrides": point.overrides,
+                     "status": states[point.name], "error": None}
+            child = Child(point.name, point.config, run_dir, entry)
+            children.append(child)
+            if states[point.name] in FINISHED:
+                change = config_change(run_dir, point.config)
+                if change:
+                    stale.append(f"{point.name} ({change})")
+            else:
+                entry["status"] = "pending"
+                to_run.append(child)
+        if stale:
+            raise UserError(f"'{folder}' holds finished runs made with other settings: {'; '.join(stale[:3])}"
+                            f"{' and more' if len(stale) > 3 else ''}; choose another `out` (or --out), or delete "
+                            "those run directories to re-run them")
+        for child in to_run:
+            if child.run_dir.exists():  # failed or interrupted: start again from nothing
+                shutil.rmtree(child.run_dir)
+        (folder / "runs").mkdir(exist_ok=True)
+        index: dict[str, Any] = {"kind": SWEEP, "sweep_file": str(sweep_file), "base": str(sweep.base),
+                                 "set": sweep.common, "swept": sweep.swept, "command": ["adaloss", *argv],
+                                 "runs": [child.entry for child in children]}
+        write_index(folder, index)
+        if not quiet and len(to_run) < len(children):
+            click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}", err=True)
+        runner = ChildRunner(jobs=jobs, stop_on_failure=not continue_on_error, progress=not quiet,
+                             command=["adaloss", *argv], on_change=lambda: write_index(folder, index), desc="batch")
+        try:
+            failed = runner.run(to_run)
+        finally:
+            outputs = write_outputs(folder, sweep_groups(folder, index), SWEEP, plots=not no_plots)
+    show_outputs(outputs, folder, quiet=quiet, as_json=as_json)
+    if not quiet and not as_json:
+        click.echo(f"Sweep directory: {folder}")
+    if failed:
+        not_started = sum(child.entry["status"] == "pending" for child in to_run)
+        stopped = f"; stopped at the first failure, {not_started} runs not started (--continue-on-error runs " \
+                  "them)" if not continue_on_error and not_started else ""
+        raise RuntimeFailure(f"{len(failed)} of {len(children)} runs failed ({', '.join(c.name for c in failed)}; "
+                             f"first error: {failed[0].entry.get('error')}){stopped}; run the same command again "
+                             "to retry")

@@ -1,0 +1,199 @@
+"""Run the child experiments of ``compare`` and ``batch``: one after another in this process, or N at a time as
+``python -m adaloss_cli train`` subprocesses.
+
+A child's outcome is read back from its run directory (:func:`run_status`), not from the exception that ended it:
+``completed`` and ``diverged`` are results, ``failed`` (or ``missing``: stopped before its directory existed) is a
+failure, and ``interrupted`` (Ctrl-C, SIGTERM) stops every child and is re-raised once the others have ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+from tqdm import tqdm
+
+from adaloss_cli.config.schema import ExperimentConfig, to_dict
+from adaloss_cli.errors import AdalossError, Interrupted
+from adaloss_cli.results.rundata import FINISHED, RunData, run_status
+
+#: Statuses that are a failure of the child (not a result of the experiment).
+FAILED = ("failed", "missing", "running")
+
+
+@dataclass
+class Child:
+    """One child run: its display name, validated config, run directory, and its entry in the parent's index."""
+    name: str
+    config: ExperimentConfig
+    run_dir: Path
+    entry: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, status: str, error: str | None) -> None:
+        """Store the outcome in the index entry."""
+        self.entry["status"] = status
+        self.entry["error"] = error
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _describe(child: Child) -> str:
+    summary = RunData(child.run_dir).summary
+    status = child.entry.get("status")
+    if status == "completed" and summary:
+        acc = summary.get("final_val_accuracy")
+        return f"{child.name}: val acc {acc * 100:.2f}%" if isinstance(acc, float) else f"{child.name}: completed"
+    return f"{child.name}: {status}" + (f" ({child.entry.get('error')})" if child.entry.get("error") else "")
+
+
+class ChildRunner:
+    """Runs children with an outer progress bar; ``on_change`` is called after each one ends (to rewrite the index).
+
+    Args:
+        jobs: children at once; 1 runs them in this process with the inner training bar.
+        stop_on_failure: start no further child once one failed (running ones are let finish).
+        progress: show the bars.
+        command: the command line recorded in each in-process child's meta.json.
+    """
+
+    def __init__(self, *, jobs: int = 1, stop_on_failure: bool = True, progress: bool = True,
+                 command: list[str] | None = None, on_change: Callable[[], None] = lambda: None,
+                 desc: str = "runs") -> None:
+        self.jobs = max(1, jobs)
+        self.stop_on_failure = stop_on_failure
+        self.progress = progress
+        self.command = command
+        self.on_change = on_change
+        self.desc = desc
+
+    def run(self, children: Sequence[Child]) -> list[Child]:
+        """Run the children; return those that failed. Re-raises an interruption after the others ended."""
+        bar = tqdm(total=len(children), desc=self.desc, unit="run", disable=not self.progress, position=0,
+                   leave=True, dynamic_ncols=True)
+        try:
+            if self.jobs == 1:
+                return self._in_process(children, bar)
+            return self._subprocesses(children, bar)
+        finally:
+            bar.close()
+
+    def _finish(self, child: Child, error: str | None, bar: tqdm) -> str:
+        status = run_status(child.run_dir)
+        if status == "diverged":  # a result, not a failure; keep why it diverged
+            error = RunData(child.run_dir).error
+        elif status in FINISHED:
+            error = None
+        child.record(status, error or (None if status in FINISHED else f"run ended with status {status}"))
+        self.on_change()
+        bar.update(1)
+        if self.progress:
+            bar.write(_describe(child), file=sys.stderr)
+        return status
+
+    def _in_process(self, children: Sequence[Child], bar: tqdm) -> list[Child]:
+        from adaloss_cli.experiment import run_experiment
+
+        failed = []
+        for child in children:
+            child.record("running", None)
+            self.on_change()
+            bar.set_postfix_str(child.name)
+            error, raised = None, None
+            try:
+                run_experiment(child.config, out=child.run_dir, progress=self.progress, command=self.command)
+            except KeyboardInterrupt:
+                self._finish(child, "interrupted by the user", bar)
+                raise
+            except AdalossError as err:
+                error, raised = str(err).splitlines()[0], err
+            except Exception as err:  # a bug in one child must not lose the others' results
+                error, raised = f"internal error {type(err).__name__}: {err}", err
+            status = self._finish(child, error, bar)
+            if status == "interrupted":
+                raise raised or KeyboardInterrupt()
+            if status in FAILED:
+                failed.append(child)
+                if self.stop_on_failure:
+                    break
+        return failed
+
+    def _subprocesses(self, children: Sequence[Child], bar: tqdm) -> list[Child]:
+        threads = max(1, cpu_cores() // self.jobs)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        pending, running, failed = list(children), [], []
+        interrupted = False
+        with tempfile.TemporaryDirectory(prefix="adaloss-children-") as scratch:
+            try:
+                while pending or running:
+                    while pending and len(running) < self.jobs and not (failed and self.stop_on_failure):
+                        running.append(_launch(pending.pop(0), Path(scratch) / str(len(pending)), env))
+                        running[-1].child.record("running", None)
+                        self.on_change()
+                        bar.set_postfix_str(", ".join(p.child.name for p in running))
+                    if not running:
+                        break
+                    time.sleep(0.1)
+                    for proc in [p for p in running if p.popen.poll() is not None]:
+                        running.remove(proc)
+                        status = self._finish(proc.child, proc.error(), bar)
+                        interrupted = interrupted or status == "interrupted"
+                        if status in FAILED:
+                            failed.append(proc.child)
+                    if interrupted:
+                        raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                for proc in running:  # each child stops after its current step and writes its checkpoint
+                    if proc.popen.poll() is None:
+                        proc.popen.send_signal(signal.SIGINT)
+                for proc in running:
+                    proc.popen.wait()
+                    self._finish(proc.child, "interrupted by the user", bar)
+                raise Interrupted(f"interrupted; {len(running)} running children stopped (run the same command "
+                                  "again to re-run them)", signal.SIGINT) from None
+        return failed
+
+
+@dataclass
+class _Process:
+    child: Child
+    popen: subprocess.Popen
+    stderr_path: Path
+
+    def error(self) -> str | None:
+        """The child's last stderr line (its ``Error: ...`` message), for a child that did not complete."""
+        try:
+            lines = [line for line in self.stderr_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return None
+        return lines[-1].removeprefix("Error: ") if lines else f"exit code {self.popen.returncode}"
+
+
+def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
+    """Start ``python -m adaloss_cli train --config <child's validated config> --out <run dir> --quiet``.
+
+    ``stem`` names the child's scratch files (its config and its captured stderr).
+    """
+    config_path = stem.with_suffix(".yaml")
+    config_path.write_text(yaml.safe_dump(to_dict(child.config), sort_keys=False), encoding="utf-8")
+    stderr_path = config_path.with_suffix(".stderr")
+    with open(stderr_path, "w", encoding="utf-8") as stderr:
+        # A session of its own: Ctrl-C reaches only this process, which then asks each child once to stop (a
+        # second signal would make the child stop at once, without its checkpoint).
+        popen = subprocess.Popen([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config_path),
+                                  "--out", str(child.run_dir), "--quiet"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=stderr, start_new_session=os.name == "posix")
+    return _Process(child, popen, stderr_path)
