@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # torch is pinned first: an unpinned torch would pull the newest CUDA build (gigabytes); see DESIGN.md section 5.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test bench clean
+.PHONY: demo test install install-chainer install-test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,19 @@ $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# Chainer 7.8.1 only builds with setuptools<81; the constraint reaches pip's isolated build environment.
+$(VENV)/.installed-chainer: $(VENV)/.installed
+	printf 'setuptools<81\nnumpy<2\n' > $(VENV)/chainer-constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VENV)/chainer-constraints.txt $(BIN)/pip install --quiet -e '.[chainer]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-chainer
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-chainer
+
+install-chainer: $(VENV)/.installed-chainer
 
 install-test: $(VENV)/.installed-test
 

@@ -18,12 +18,18 @@ if TYPE_CHECKING:
 # backend name -> (module holding the adapter, adapter class name, framework module it needs)
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "torch": ("adaloss_cli.backends.torch.adapter", "TorchBackend", "torch"),
+    "chainer": ("adaloss_cli.backends.chainer.adapter", "ChainerBackend", "chainer"),
+}
+
+# How to install a backend's framework (Chainer's build needs setuptools<81 pinned while it compiles).
+_INSTALL_HINTS: dict[str, str] = {
+    "torch": "pip install torch==2.13.0 (CPU) or a CUDA build of torch",
+    "chainer": "run make install-chainer, or: echo 'setuptools<81' > c.txt && PIP_CONSTRAINT=c.txt "
+               "pip install 'adaloss[chainer]'",
 }
 
 # Backends named in the config schema that are not implemented yet, with the message users get.
-_PLANNED: dict[str, str] = {
-    "chainer": "backend 'chainer' is not available yet in this version of adaloss; use backend: torch",
-}
+_PLANNED: dict[str, str] = {}
 
 
 def backend_names() -> tuple[str, ...]:
@@ -45,5 +51,5 @@ def get_backend(name: str) -> type["Backend"]:
     module_name, class_name, framework = _REGISTRY[name]
     if not is_backend_installed(name):
         raise UserError(f"backend '{name}' needs the '{framework}' package, which is not installed; "
-                        f"install it (pip install 'adaloss[{name}]') or choose another backend")
+                        f"{_INSTALL_HINTS.get(name, f'pip install {framework}')}, or choose another backend")
     return getattr(importlib.import_module(module_name), class_name)

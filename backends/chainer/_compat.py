@@ -1,0 +1,77 @@
+"""Importing Chainer 7.8.1 in a modern environment, with no manual step for the user (DESIGN.md section 5).
+
+``import chainer`` runs ``import numpy.distutils.system_info``, which needs ``distutils.msvccompiler``. setuptools
+installs a ``distutils`` shim that replaces the standard library's distutils and has no such module, so the import
+fails whenever the shim is active. :func:`import_chainer` removes the shim (guarded: it is a private setuptools
+module) and, if setuptools' distutils was already imported by someone else, hides it while Chainer imports. It also
+silences the pkg_resources deprecation warning Chainer triggers on import. Everything else in
+``adaloss_cli.backends.chainer`` imports Chainer through this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+
+__all__ = ["import_chainer", "import_cupy", "is_chainer_available", "is_cupy_available"]
+
+_INSTALL_HINT = ("install it with: PIP_CONSTRAINT=<file containing 'setuptools<81'> pip install 'adaloss[chainer]' "
+                 "(Chainer 7.8.1 needs Python <= 3.11, numpy<2 and setuptools>=77,<81)")
+
+
+def is_chainer_available() -> bool:
+    """Whether Chainer is installed, without importing it."""
+    return importlib.util.find_spec("chainer") is not None
+
+
+def _remove_distutils_shim() -> dict[str, ModuleType]:
+    """Take setuptools' distutils shim out of the way; returns the setuptools distutils modules it hid."""
+    try:
+        import _distutils_hack  # noqa: PLC0415 (setuptools' private module, present whenever setuptools is)
+        _distutils_hack.remove_shim()
+    except Exception:  # noqa: BLE001 -- absent or changed: nothing to remove
+        pass
+    hidden = {}
+    loaded = sys.modules.get("distutils")
+    if loaded is not None and "setuptools" in (getattr(loaded, "__file__", "") or ""):
+        for name in [n for n in sys.modules if n == "distutils" or n.startswith("distutils.")]:
+            hidden[name] = sys.modules.pop(name)
+    return hidden
+
+
+def import_chainer() -> ModuleType:
+    """``import chainer`` despite the distutils shim; ImportError with the install command when it is missing."""
+    if "chainer" in sys.modules:
+        return sys.modules["chainer"]
+    if not is_chainer_available():
+        raise ImportError(f"the chainer backend needs Chainer, which is not installed; {_INSTALL_HINT}")
+    hidden = _remove_distutils_shim()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*pkg_resources.*", category=UserWarning)
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            return importlib.import_module("chainer")
+    except ImportError as err:
+        raise ImportError(f"Chainer is installed but cannot be imported ({err}); {_INSTALL_HINT}") from err
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
+
+
+def is_cupy_available() -> bool:
+    """Whether CuPy is installed and sees at least one CUDA device (imports CuPy when it is installed)."""
+    return import_cupy() is not None
+
+
+def import_cupy() -> ModuleType | None:
+    """CuPy when it is installed and a CUDA device is usable, else None."""
+    if importlib.util.find_spec("cupy") is None:
+        return None
+    try:
+        import cupy  # noqa: PLC0415
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # noqa: BLE001 -- no driver, no device, broken install: all mean "no CUDA here"
+        return None

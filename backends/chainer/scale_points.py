@@ -1,0 +1,340 @@
+"""Run-time pieces of adaptive loss scaling in Chainer: the scale table, scale points, branch and output points.
+
+The invariant and the roles are those of ``backends/torch/scale_points.py`` (DESIGN.md 2.1-2.3): every activation
+gradient carries an accumulated scale A, held in a small float32 table on the model's device (NumPy or CuPy), one
+slot per gradient edge whose scale a node sets. The pieces here are Chainer ``FunctionNode``s made afresh in every
+forward; the persistent per-layer objects (:class:`ScalePoint`, :class:`BranchPoint`, :class:`OutputPoint`) own the
+slots they write, and the routing (``transform.route``) tells each node, after the forward and before the backward,
+which slot its incoming gradient's scale is in. At run time nodes only index the table: no device-to-host read.
+
+- ``_ScaleNode`` follows a Linear/Convolution2D: its backward reads A of the layer's output gradient gy, computes the
+  layer's factor s with the shared core math (``adaloss_cli.core.adaptive``), writes A * s to the layer's input slot
+  and returns s * gy, so the layer's own backward computes gx and its weight gradient from the scaled gy.
+- ``_MeasureNode`` precedes it on recorded steps only: it measures how many elements of gx are zero where the same
+  backward in float32, unscaled, gave a non-zero value.
+- ``_BranchNode`` is what a bound :class:`Fork` applies: each consumer gets its own output, and their gradients are
+  brought to a common scale (DESIGN.md 2.3) before they are summed.
+- ``_OutputNode`` sits at the model output: it casts the low-precision output to float32 for the loss, and in
+  backward gives the float32 loss gradient a factor of its own before casting it back (``output_factor``). The
+  layers' accumulated cap counts from this scale (the *origin*).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from adaloss_cli.backends.base import OUTPUT_RECORD
+from adaloss_cli.core.adaptive import (AdaptiveOptions, bound_factor, branch_common_scale, output_factor,
+                                       unbound_factor)
+from adaloss_cli.core.adaptive_stats import underflow_fraction
+
+from ._compat import import_chainer
+
+chainer = import_chainer()
+
+__all__ = ["ScaleState", "ScalePoint", "BranchPoint", "OutputPoint", "Fork"]
+
+
+def _variable(array: Any) -> "chainer.Variable":
+    return chainer.Variable(array, requires_grad=False)
+
+
+class ScaleState:
+    """Shared state of one transformed model: the scale table and the per-point factors and measurements.
+
+    ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
+    (used to measure underflow for the none/fixed/dynamic methods). Arrays live in ``xp`` (numpy or cupy), float32.
+    """
+
+    def __init__(self, xp: Any, num_slots: int, num_points: int, options: AdaptiveOptions | None,
+                 init_scale: float, origin_slot: int) -> None:
+        self.xp = xp
+        self.options = options
+        self.iteration = 0
+        self.recording = False
+        self.reference_pass = False
+        self.origin_slot = origin_slot
+        self.reference: dict[int, Any] = {}
+        self.call_order: list[int] = []   # scale points in the order the forward first called them
+        self._called: set[int] = set()
+        self.table = xp.full((num_slots,), init_scale, dtype=np.float32)
+        self.unbound = xp.ones((max(num_points, 1),), dtype=np.float32)
+        self.factor = xp.ones((max(num_points, 1),), dtype=np.float32)
+        self.underflow = xp.full((max(num_points, 1),), np.nan, dtype=np.float32)
+        self.output_factor = xp.ones((), dtype=np.float32)
+        self.output_underflow = xp.full((), np.nan, dtype=np.float32)
+        self.output_used = False
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether factors are computed (False: measure-only)."""
+        return self.options is not None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this pass measures layer input gradients (the reference pass or a recorded pass)."""
+        return self.recording or self.reference_pass
+
+    @property
+    def refresh(self) -> bool:
+        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
+        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
+
+    def called(self, index: int) -> None:
+        """Note that scale point ``index`` ran (records are listed in forward order)."""
+        if index not in self._called:
+            self._called.add(index)
+            self.call_order.append(index)
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Measure-only: the global loss scale is the scale of every edge."""
+        self.table[...] = scale
+
+    def to_device(self, xp: Any, put: Any) -> None:
+        """Move every array with ``put`` (a function array -> array on the new device)."""
+        self.xp = xp
+        for name in ("table", "unbound", "factor", "underflow", "output_factor", "output_underflow"):
+            setattr(self, name, put(getattr(self, name)))
+
+    def state_dict_values(self) -> dict[str, Any]:
+        """The per-layer state a checkpoint must hold (as NumPy arrays) and the iteration counter."""
+        host = chainer.backend.CpuDevice().send
+        return {"iteration": self.iteration, "table": np.array(host(self.table)),
+                "unbound": np.array(host(self.unbound)), "factor": np.array(host(self.factor))}
+
+    def load_state_values(self, values: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict_values` (shapes must match: the same model)."""
+        self.iteration = int(values["iteration"])
+        for name in ("table", "unbound", "factor"):
+            target = getattr(self, name)
+            source = np.asarray(values[name], dtype=np.float32)
+            if source.shape != target.shape:
+                raise ValueError(f"loss-scaler state '{name}' has shape {source.shape}, this model needs "
+                                 f"{target.shape}: the checkpoint is from another model")
+            target[...] = self.xp.asarray(source)
+
+
+class ScalePoint:
+    """A Linear/Convolution2D link's persistent scale-point record: its index, slot and fan."""
+
+    def __init__(self, state: ScaleState, index: int, name: str, kind: str, fan: int, axes: tuple[int, int],
+                 in_slot: int) -> None:
+        self.state, self.index, self.name, self.kind, self.fan, self.axes = state, index, name, kind, fan, axes
+        self.in_slot = in_slot
+
+    def scale_gradient(self, gy: Any, weight: Any, out_slot: int) -> Any:
+        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
+        state = self.state
+        if state.reference_pass:
+            return gy
+        table = state.table
+        accum = table[out_slot]
+        if not state.adaptive:
+            table[self.in_slot] = accum
+            return gy
+        opts = state.options
+        if state.refresh:
+            unbound = unbound_factor(gy, weight, self.fan, opts, self.axes)
+            state.unbound[self.index] = unbound
+        else:
+            unbound = state.unbound[self.index]
+        # The accumulated cap counts the scale the layers created, from the output point's scale on.
+        factor = bound_factor(unbound, accum / table[state.origin_slot], opts)
+        state.factor[self.index] = factor
+        table[self.in_slot] = accum * factor
+        return gy * factor.astype(gy.dtype)
+
+    def observe(self, gx: Any) -> None:
+        """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow."""
+        state = self.state
+        if state.reference_pass:
+            state.reference[self.index] = gx.astype(np.float32, copy=True)
+        elif state.recording:
+            reference = state.reference.pop(self.index, None)
+            if reference is not None:
+                state.underflow[self.index] = underflow_fraction(gx, reference)
+
+    def __repr__(self) -> str:
+        return f"ScalePoint({self.name}: {self.kind}, fan={self.fan}, slot {self.in_slot})"
+
+
+class _ScaleNode(chainer.FunctionNode):
+    """Identity forward; backward multiplies gy by the layer's factor."""
+
+    def __init__(self, point: ScalePoint, weight: Any) -> None:
+        super().__init__()
+        self.point, self.weight, self.out_slot = point, weight, 0
+
+    def forward(self, inputs):
+        self.retain_inputs(())
+        return inputs
+
+    def backward(self, indexes, grad_outputs):
+        (gy,) = grad_outputs
+        if gy is None:
+            return (None,)
+        return (_variable(self.point.scale_gradient(gy.array, self.weight, self.out_slot)),)
+
+
+class _MeasureNode(chainer.FunctionNode):
+    """Identity forward; backward measures the underflow of the layer's input gradient (recorded steps only)."""
+
+    def __init__(self, point: ScalePoint) -> None:
+        super().__init__()
+        self.point = point
+
+    def forward(self, inputs):
+        self.retain_inputs(())
+        return inputs
+
+    def backward(self, indexes, grad_outputs):
+        (gx,) = grad_outputs
+        if gx is not None:
+            self.point.observe(gx.array)
+        return (gx,)
+
+
+def scale_output(point: ScalePoint, y: "chainer.Variable", weight: Any) -> "chainer.Variable":
+    """y through a scale node of ``point`` (weight: the array the layer multiplied by, in the compute dtype)."""
+    return _ScaleNode(point, weight).apply((y,))[0]
+
+
+def measure_input(point: ScalePoint, x: Any) -> "chainer.Variable":
+    """x through a measure node of ``point``."""
+    return _MeasureNode(point).apply((x,))[0]
+
+
+class BranchPoint:
+    """A bound :class:`Fork`: where a value feeds several consumers, with the slot of the merged gradient."""
+
+    def __init__(self, state: ScaleState, index: int, name: str, fan_out: int, in_slot: int) -> None:
+        self.state, self.index, self.name, self.fan_out, self.in_slot = state, index, name, fan_out, in_slot
+
+    def merge(self, grads: list, out_slots: list) -> Any:
+        """Sum the incoming gradients at a common scale (DESIGN.md 2.3); write that scale to the input slot."""
+        state = self.state
+        present = [(g, slot) for g, slot in zip(grads, out_slots) if g is not None]
+        if not present:
+            return None
+        tensors = [g for g, _ in present]
+        if state.reference_pass:
+            return _sum(tensors)
+        table = state.table
+        if len(present) == 1 or not state.adaptive:
+            table[self.in_slot] = table[present[0][1]]
+            return _sum(tensors)
+        u_max = state.options.range_for(tensors[0].dtype)[1]
+        common, multipliers = branch_common_scale(tensors, [table[slot] for _, slot in present], u_max)
+        table[self.in_slot] = common
+        total = tensors[0] * multipliers[0].astype(tensors[0].dtype)
+        for g, m in zip(tensors[1:], multipliers[1:]):
+            total = total + g * m.astype(g.dtype)
+        return total
+
+    def __repr__(self) -> str:
+        return f"BranchPoint({self.name}: {self.fan_out} consumers, slot {self.in_slot})"
+
+
+def _sum(arrays: list) -> Any:
+    total = arrays[0]
+    for a in arrays[1:]:
+        total = total + a
+    return total
+
+
+class _BranchNode(chainer.FunctionNode):
+    """Forward: one output per consumer. Backward: their gradients brought to one scale and summed."""
+
+    def __init__(self, point: BranchPoint) -> None:
+        super().__init__()
+        self.point = point
+        self.out_slots: list = [None] * point.fan_out
+
+    def forward(self, inputs):
+        self.retain_inputs(())
+        (x,) = inputs
+        return tuple(x.view() for _ in range(self.point.fan_out))
+
+    def backward(self, indexes, grad_outputs):
+        grads = [None if g is None else g.array for g in grad_outputs]
+        merged = self.point.merge(grads, self.out_slots)
+        return (None if merged is None else _variable(merged),)
+
+
+class Fork(chainer.Link):
+    """Declares that a value feeds ``consumers`` consumers: ``a, b = self.fork(x)``.
+
+    Unbound (plain Chainer) it returns ``consumers`` references to x. Bound by ``transform_links`` to adaptive loss
+    scaling, the consumers' gradients, which may carry different accumulated scales, are brought to one common scale
+    before they are summed (DESIGN.md 2.3). A value used twice without a Fork is refused by the routing.
+    """
+
+    def __init__(self, consumers: int = 2) -> None:
+        super().__init__()
+        if consumers < 2:
+            raise ValueError(f"a Fork needs at least 2 consumers, got {consumers}")
+        self.consumers = consumers
+        self.adaloss_point: BranchPoint | None = None
+
+    def forward(self, x):
+        point = self.adaloss_point
+        if point is None or not point.state.adaptive or not chainer.config.enable_backprop:
+            return (x,) * self.consumers
+        return _BranchNode(point).apply((x,))
+
+
+class OutputPoint:
+    """At the model output: the first scale point, where the float32 loss gradient meets the model's dtype."""
+
+    name = OUTPUT_RECORD
+
+    def __init__(self, state: ScaleState, in_slot: int) -> None:
+        self.state, self.in_slot = state, in_slot
+
+    def scale_gradient(self, g: Any, dtype: Any, out_slot: int) -> Any:
+        """g (float32, scale A at the loss) -> s * g in ``dtype``; writes A * s to the output slot."""
+        state = self.state
+        if state.reference_pass:
+            return g.astype(dtype)
+        table = state.table
+        accum = table[out_slot]
+        if state.adaptive:
+            factor = output_factor(g, dtype, state.options)
+            state.output_factor[...] = factor
+            table[self.in_slot] = accum * factor
+            cast = (g * factor).astype(dtype)
+        else:
+            table[self.in_slot] = accum
+            cast = g.astype(dtype)
+        if state.recording:
+            state.output_underflow[...] = underflow_fraction(cast, g)
+        return cast
+
+
+class _OutputNode(chainer.FunctionNode):
+    """Forward: a float16 model output as float32 (others unchanged). Backward: the loss gradient scaled, then
+    cast back."""
+
+    def __init__(self, point: OutputPoint) -> None:
+        super().__init__()
+        self.point, self.out_slot = point, 0
+
+    def forward(self, inputs):
+        self.retain_inputs(())
+        (y,) = inputs
+        self.dtype = y.dtype
+        return (y.astype(np.float32) if y.dtype == np.float16 else y,)
+
+    def backward(self, indexes, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return (None,)
+        return (_variable(self.point.scale_gradient(g.array, self.dtype, self.out_slot)),)
+
+
+def output_point(point: OutputPoint, y: "chainer.Variable") -> "chainer.Variable":
+    """The model output through the output point (float32)."""
+    point.state.output_used = True
+    return _OutputNode(point).apply((y,))[0]

@@ -1,0 +1,148 @@
+"""The same model, weights and batch on both backends give the same adaptive scaling and the same gradients.
+
+The Chainer zoo mirrors the torch zoo layer for layer (``models.torch_name`` maps the parameters), so after copying
+the torch weights into the Chainer model the first step must agree: every per-layer factor and accumulated scale
+exactly (powers of two computed from statistics that agree to float32 rounding), and every parameter gradient to
+float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_chainer_support import LOUD, chainer
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as TF  # noqa: E402
+
+from adaloss_cli.backends.chainer import models as chainer_models  # noqa: E402
+from adaloss_cli.backends.chainer.adapter import ChainerBackend  # noqa: E402
+from adaloss_cli.backends.chainer.scaler import LossScaler as ChainerScaler  # noqa: E402
+from adaloss_cli.backends.torch import models as torch_models  # noqa: E402
+from adaloss_cli.backends.torch.adapter import TorchBackend  # noqa: E402
+from adaloss_cli.backends.torch.scaler import LossScaler as TorchScaler  # noqa: E402
+from adaloss_cli.config import load_config_dict  # noqa: E402
+from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
+
+F = chainer.functions
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one torch thread is fastest, and immune to OpenMP spin-waits on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+PAIRS = {
+    # name: (torch builder, chainer builder, input shape)
+    "mlp": (lambda: torch_models.MLP(64, [32, 32], 10), lambda: chainer_models.MLP(64, [32, 32], 10), (6, 1, 8, 8)),
+    "cnn": (lambda: torch_models.SimpleCNN((1, 8, 8), 10, width=4),
+            lambda: chainer_models.SimpleCNN((1, 8, 8), 10, width=4), (6, 1, 8, 8)),
+    "resnet20": (lambda: torch_models.CifarResNet(20, 3, 10, width=4),
+                 lambda: chainer_models.CifarResNet(20, 3, 10, width=4), (6, 3, 8, 8)),
+}
+
+
+def copy_torch_into_chainer(torch_model, chainer_model) -> None:
+    """Every Chainer parameter and batch-norm statistic from the torch state_dict, by mirrored name."""
+    state = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
+    names = set()
+    for path, p in chainer_model.namedparams():
+        key = chainer_models.torch_name(path)
+        assert p.array.shape == state[key].shape, key
+        p.array[...] = state[key]
+        names.add(key)
+    for path, link in chainer_model.namedlinks():
+        for n in link._persistent:
+            key = chainer_models.torch_name(f"{path}/{n}")
+            if key in state:
+                getattr(link, n)[...] = state[key]
+                names.add(key)
+    missing = {k for k in state if not k.endswith("num_batches_tracked")} - names
+    assert not missing, f"torch tensors with no Chainer twin: {sorted(missing)}"
+
+
+def pair(name: str):
+    build_torch, build_chainer, shape = PAIRS[name]
+    torch.manual_seed(0)
+    torch_model = build_torch()
+    chainer_model = build_chainer()
+    copy_torch_into_chainer(torch_model, chainer_model)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(np.float32)
+    t = rng.integers(0, 10, shape[0])
+    return torch_model, chainer_model, x, t
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_first_step_factors_scales_and_gradients_agree(name, method):
+    torch_model, chainer_model, x, t = pair(name)
+    options = dict(loss_scale_method=method, **LOUD)
+    ts = TorchScaler(torch_model, "adaptive", **options)
+    ts.scale(TF.cross_entropy(ts.model(torch.from_numpy(x)), torch.from_numpy(t))).backward()
+    cs = ChainerScaler(chainer_model, "adaptive", **options)
+    chainer_model.cleargrads()
+    with chainer.using_config("train", True):
+        cs.backward(F.softmax_cross_entropy(cs.output(chainer_model(x)), t.astype(np.int32)))
+
+    tstate, cstate = ts.model.adaloss.state, cs.state
+    torch_points = {p.name: p for p in ts.model.adaloss.scale}
+    chainer_points = {p.name: p for p in cs.links.points}
+    assert set(torch_points) == set(chainer_points)
+    assert float(tstate.table[ts.model.adaloss.output.in_slot]) == float(cstate.table[cs.links.output.in_slot])
+    assert float(ts.model.adaloss.output.factor) == float(cstate.output_factor)
+    for point_name, tp in torch_points.items():
+        cp = chainer_points[point_name]
+        assert tp.fan == cp.fan, point_name
+        assert float(tstate.factor[tp.index]) == float(cstate.factor[cp.index]), point_name
+        assert float(tstate.table[tp.in_slot]) == float(cstate.table[cp.in_slot]), point_name
+        # Statistics of gradients that went through batch norm agree to float32 rounding, amplified with depth.
+        assert float(tstate.unbound[tp.index]) == pytest.approx(float(cstate.unbound[cp.index]), rel=2e-3)
+    assert float(cstate.factor.max()) > 1.0, "factors at 1 would make the comparison vacuous"
+
+    torch_grads = {k: p.grad.numpy() for k, p in ts.model.named_parameters()}
+    for path, p in chainer_model.namedparams():
+        expected = torch_grads[chainer_models.torch_name(path)]
+        np.testing.assert_allclose(p.grad, expected, rtol=1e-4, atol=1e-5 * float(np.abs(expected).max()),
+                                   err_msg=path)
+
+
+def _config(model: dict, dtype: str, method: str):
+    return load_config_dict({"run": {"seed": 0}, "device": "cpu", "model": model, "data": {"name": "digits"},
+                             "precision": {"dtype": dtype}, "loss_scaling": {"method": method,
+                                                                             "adaptive": {"u_min": 1e-2}},
+                             "training": {"batch_size": 16, "optimizer": {"name": "sgd", "lr": 0.1,
+                                                                          "momentum": 0.9,
+                                                                          "weight_decay": 5e-4}}},
+                            source="test")
+
+
+@pytest.mark.parametrize("model", [{"name": "mlp", "hidden_sizes": [32, 32]}, {"name": "resnet20", "width": 4}])
+def test_the_backends_record_the_same_layers_and_take_the_same_steps(model):
+    config = _config(model, "float32", "adaptive")
+    dataset = load_dataset(config.data, 0)
+    torch_backend = TorchBackend(config, dataset.input_shape, dataset.num_classes, "cpu")
+    chainer_backend = ChainerBackend(config, dataset.input_shape, dataset.num_classes, "cpu")
+    copy_torch_into_chainer(torch_backend.model, chainer_backend.model)
+    stream = BatchStream(dataset, 16, seed=0)
+    for step in range(3):
+        batch = [stream.batch(0, step)]
+        a = torch_backend.train_step(batch, lr=0.1, record=step == 0)
+        b = chainer_backend.train_step(batch, lr=0.1, record=step == 0)
+        assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.scale == b.scale and a.skipped == b.skipped
+        if step == 0:
+            assert [r.layer for r in a.layers] == [r.layer for r in b.layers]
+            for ra, rb in zip(a.layers, b.layers):
+                assert (ra.factor, ra.accumulated_scale) == (rb.factor, rb.accumulated_scale), ra.layer
+                assert ra.underflow_fraction == rb.underflow_fraction == 0.0, ra.layer
+            assert max(r.factor for r in b.layers) > 1.0
+    torch_params = {k: v.detach().numpy() for k, v in torch_backend.model.named_parameters()}
+    for path, p in chainer_backend.model.namedparams():
+        np.testing.assert_allclose(p.array, torch_params[chainer_models.torch_name(path)], rtol=1e-4, atol=1e-6,
+                                   err_msg=path)
