@@ -2,6 +2,10 @@
 
 One loop serves every backend and every loss-scaling method: the loop never branches on either, it calls the backend
 and hands what comes back to the run writer.
+
+Data-parallel runs (torchrun) use the same loop on every process: each takes its slice of every global batch and of
+the validation split (``World``), all processes take the same decisions (skip, stop, diverge) from all-reduced
+values, and only rank 0 writes; checkpoints gather every process's own state (per-layer scales, random numbers).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +26,7 @@ from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, StepOutcome
 from adaloss_cli.config.schema import ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
+from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss_cli.errors import Diverged, Interrupted, UserError
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
@@ -98,22 +104,34 @@ class Progress:
                 "underflow_worst_layer": worst, "underflow_output": output}
 
 
-def prepare(config: ExperimentConfig) -> tuple[Dataset, Backend]:
-    """Everything that can fail on user input (backend, device, dataset, model), before any file is written."""
-    backend_cls = get_backend(config.backend)
-    device = backend_cls.resolve_device(config.device)
-    dataset = load_dataset(config.data, config.run.seed)
+def prepare(config: ExperimentConfig, world: World = SINGLE) -> tuple[Dataset, Backend]:
+    """Everything that can fail on user input (backend, device, dataset, model), before any file is written.
+
+    With several processes, the checks run on each and fail together (rank 0 reports), before the backend is built:
+    building it communicates (DDP's initial broadcast).
+    """
+    def check() -> tuple[type[Backend], str, Dataset]:
+        check_world(config, world.world_size)
+        backend_cls = get_backend(config.backend)
+        device = world.device(backend_cls.resolve_device(config.device))
+        return backend_cls, device, load_dataset(config.data, config.run.seed)
+
+    backend_cls, device, dataset = world.agree(check)
     return dataset, backend_cls(config, dataset.input_shape, dataset.num_classes, device)
 
 
-#: Test-only fault hook: comma-separated step numbers whose loss is made NaN. Only this environment variable can
-#: reach it; no config key does.
+#: Test-only fault hook: comma-separated step numbers whose loss is made NaN, each optionally ``STEP@RANK`` to hit
+#: one process of a distributed run only. Only this environment variable can reach it; no config key does.
 FAULT_ENV = "ADALOSS_TEST_INJECT_NAN_AT"
 
 
-def _fault_steps() -> set[int]:
-    raw = os.environ.get(FAULT_ENV, "")
-    return {int(part) for part in raw.split(",") if part.strip().isdigit()}
+def _fault_steps(rank: int = 0) -> set[int]:
+    steps = set()
+    for part in os.environ.get(FAULT_ENV, "").split(","):
+        step, _, only = part.strip().partition("@")
+        if step.isdigit() and (not only or only.isdigit() and int(only) == rank):
+            steps.add(int(step))
+    return steps
 
 
 class _StopSignals:
@@ -143,40 +161,59 @@ class Trainer:
     """Runs one prepared experiment into one run directory, from the start or from a checkpoint."""
 
     def __init__(self, config: ExperimentConfig, dataset: Dataset, backend: Backend, writer: RunWriter,
-                 checkpoints: CheckpointStore, progress: bool = True, resume: dict[str, Any] | None = None) -> None:
+                 checkpoints: CheckpointStore | None, progress: bool = True, resume: dict[str, Any] | None = None,
+                 world: World = SINGLE) -> None:
+        """``writer`` and ``checkpoints`` are rank 0's; other processes of a distributed run pass a silent writer
+        and no store."""
         self.config = config
         self.dataset = dataset
         self.backend = backend
         self.writer = writer
         self.checkpoints = checkpoints
-        self.show_progress = progress and config.output.progress
+        self.world = world
+        self.show_progress = progress and config.output.progress and world.is_main
         self.state = Progress()
         if resume is not None:
             backend.load_state_dict(resume["backend"])
             self.state = Progress(**resume["progress"])
+            if world.active:  # this process's own scales, random numbers and timings
+                mine = resume["ranks"][world.rank]
+                backend.load_rank_state(mine["backend"])  # type: ignore[attr-defined]
+                self.state.step_time = mine["step_time"]
         writer.set_meta(device=backend.device, backend=config.backend, model=backend.describe(),
-                        dataset={"name": dataset.name, "train": len(dataset.y_train), "val": len(dataset.y_val)})
+                        dataset={"name": dataset.name, "train": len(dataset.y_train), "val": len(dataset.y_val)},
+                        world_size=world.world_size)
 
     def _checkpoint(self, elapsed: float) -> None:
+        """Rank 0 writes the checkpoint; with several processes it holds each one's own state too."""
+        ranks = None
+        if self.world.active:
+            ranks = self.world.gather({"backend": self.backend.rank_state(),  # type: ignore[attr-defined]
+                                       "step_time": self.state.step_time})
+        if self.checkpoints is None:
+            return
         state = asdict(self.state)
         state["elapsed_before"] = self.state.elapsed_before + elapsed
-        self.checkpoints.save(self.state.step, {"backend": self.backend.state_dict(), "progress": state,
-                                                "offsets": self.writer.offsets()})
+        payload = {"backend": self.backend.state_dict(), "progress": state, "offsets": self.writer.offsets()}
+        if ranks is not None:
+            payload.update(world_size=self.world.world_size, ranks=ranks)
+        self.checkpoints.save(self.state.step, payload)
 
     def run(self) -> dict[str, Any]:
         """Train from the current step, evaluating every ``eval_every_epochs`` epochs and at the end; checkpoint
         every ``checkpoint_every`` steps, at the end and when stopped by a signal; return the summary."""
-        cfg, dataset, backend, state = self.config, self.dataset, self.backend, self.state
+        cfg, dataset, backend, state, world = self.config, self.dataset, self.backend, self.state, self.world
         started = time.perf_counter()
         stream = BatchStream(dataset, cfg.training.batch_size, cfg.run.seed, augment=dataset.augment)
         plan = plan_steps(cfg, stream.batches_per_epoch, len(dataset.y_train))
-        accum, faults = cfg.training.grad_accum_steps, _fault_steps()
+        accum, faults = cfg.training.grad_accum_steps, _fault_steps(world.rank)
         bar = tqdm(total=plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
                    disable=not self.show_progress, dynamic_ncols=True, leave=True)
-        with _StopSignals() as stop:
+        with _StopSignals() as stop, StopVote(world) as vote:
             for step in range(state.step, plan.total_steps):
                 epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-                micro = [stream.batch(epoch, step_in_epoch * accum + i) for i in range(accum)]
+                # The global batch is the single-process batch; each process trains on its slice of it.
+                micro = [world.shard(stream.batch(epoch, step_in_epoch * accum + i)) for i in range(accum)]
                 lr = learning_rate(step, plan.total_steps, cfg.training.optimizer.lr, cfg.training.lr_schedule)
                 record = step % cfg.output.record_every == 0 or step == plan.total_steps - 1
                 backend.inject_nonfinite_loss = step in faults
@@ -185,9 +222,9 @@ class Trainer:
                 state.add(outcome, time.perf_counter() - t0)
                 state.step = step + 1
                 self.writer.step(step, epoch, lr, outcome, state.elapsed_before + time.perf_counter() - started)
-                if not math.isfinite(outcome.loss):
+                if not math.isfinite(outcome.loss) and world.is_main:
                     bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
-                              else f"step {step}: loss is {outcome.loss}")
+                              else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
                 bar.update(1)
                 bar.set_postfix(loss=f"{outcome.loss:.4f}", scale=f"{outcome.scale:g}", skipped=state.skipped,
                                 refresh=False)
@@ -199,29 +236,41 @@ class Trainer:
                                    f"(up to step {step}); lower training.optimizer.lr, check the data, or use "
                                    "another loss_scaling.method")
                 every = cfg.output.checkpoint_every
-                if stop.signum is not None or (every and state.step % every == 0 and not last):
+                signum = vote(stop.signum)  # the same on every process
+                if signum is not None or (every and state.step % every == 0 and not last):
                     self._checkpoint(time.perf_counter() - started)
-                if stop.signum is not None:
-                    name = signal.Signals(stop.signum).name
+                if signum is not None:
+                    name = signal.Signals(signum).name
                     raise Interrupted(f"stopped by {name} after step {step}; a checkpoint was written: resume "
-                                      f"with adaloss train --resume {self.writer.run_dir}", stop.signum)
+                                      f"with adaloss train --resume {self.writer.run_dir}", signum)
         bar.close()
         self._checkpoint(time.perf_counter() - started)
-        return self._summary(plan, state.elapsed_before + time.perf_counter() - started)
+        ranks = None
+        if world.active:
+            ranks = world.gather({"rank": world.rank, "time_per_step_s": state.step_time / max(plan.total_steps, 1),
+                                  "skipped_steps": state.skipped,
+                                  "params_sha256": backend.parameter_digest()})  # type: ignore[attr-defined]
+        return self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
 
     def _end_epoch(self, epoch: int, step: int, lr: float, last: bool, started: float) -> None:
         cfg, state = self.config, self.state
         train_loss = state.close_epoch()
         if (epoch + 1) % cfg.training.eval_every_epochs != 0 and not last:
             return
-        result = self.backend.evaluate(eval_batches(self.dataset.x_val, self.dataset.y_val,
-                                                    cfg.training.eval_batch_size))
-        state.evals.append({"loss": result.loss, "accuracy": result.accuracy})
-        self.writer.epoch({"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss, "val_loss": result.loss,
-                           "val_accuracy": result.accuracy, "lr": lr, "skipped_steps": state.skipped,
+        # Each process evaluates its share of the validation split; the sums make the whole split's figures.
+        x_val, y_val = self.world.eval_shard(self.dataset.x_val, self.dataset.y_val)
+        result = self.backend.evaluate(eval_batches(x_val, y_val, cfg.training.eval_batch_size))
+        loss, accuracy = result.loss, result.accuracy
+        if self.world.active:
+            loss_sum, correct, count = self.world.sum([result.loss * result.examples,
+                                                       result.accuracy * result.examples, result.examples])
+            loss, accuracy = loss_sum / max(count, 1), round(correct) / max(count, 1)
+        state.evals.append({"loss": loss, "accuracy": accuracy})
+        self.writer.epoch({"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss, "val_loss": loss,
+                           "val_accuracy": accuracy, "lr": lr, "skipped_steps": state.skipped,
                            "elapsed_s": round(state.elapsed_before + time.perf_counter() - started, 3)})
 
-    def _summary(self, plan: Plan, wall: float) -> dict[str, Any]:
+    def _summary(self, plan: Plan, wall: float, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
         cfg, backend, state = self.config, self.backend, self.state
         peak = backend.peak_memory_bytes()
         evals = state.evals
@@ -240,4 +289,6 @@ class Trainer:
             "time_per_step_s": state.step_time / max(plan.total_steps, 1),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,
             **state.underflow_summary(),
+            "world_size": self.world.world_size,
+            **({"ranks": ranks} if ranks is not None else {}),
         }

@@ -1,4 +1,5 @@
-"""``adaloss train``: validate a config, train it, write one run directory."""
+"""``adaloss train``: validate a config, train it, write one run directory (in one process, or data-parallel in
+several: under torchrun, or launched by ``--nproc-per-node``)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeata
               help="Override the config's device (auto = cuda when available).")
 @click.option("--overwrite", is_flag=True, help="Replace the contents of an existing --out directory.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the run directory.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Train data-parallel in N processes on this machine (one per GPU, or CPU processes), launched "
+                   "through torch's elastic launcher like `torchrun --standalone --nproc-per-node N`. "
+                   "training.batch_size is the global batch, split evenly across the processes.")
 def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[str, ...], out: Path | None,
-          device: str | None, overwrite: bool, quiet: bool) -> None:
+          device: str | None, overwrite: bool, quiet: bool, nproc_per_node: int | None) -> None:
     """Train and evaluate one experiment and write its run directory.
 
     The config is validated first (as `adaloss validate` does); the run directory then holds config.yaml (as run),
@@ -42,27 +47,85 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
 
     SIGINT (Ctrl-C) or SIGTERM stops after the current step with a checkpoint (status `interrupted`, exit code
     128 + the signal number); `--resume` then continues to exactly the result of an uninterrupted run.
+
+    \b
+    Data-parallel (DistributedDataParallel; gloo on CPU, NCCL on GPUs; rank 0 writes the run directory):
+      adaloss train --config configs/resnet.yaml --nproc-per-node 4
+      torchrun --nproc-per-node 4 -m adaloss_cli train --config configs/resnet.yaml
+      adaloss train --resume runs/cifar10-resnet20-dynamic-20261121-120000   # on as many processes as before
     """
-    from adaloss_cli.experiment import config_warnings, resume_experiment, run_experiment
+    from adaloss_cli.distributed import PeerFailed, World, launch_command
+    from adaloss_cli.errors import Diverged, Interrupted
     from adaloss_cli.results.report import format_summary
 
-    argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
-    command = ["adaloss", *argv]
+    ctx = click.get_current_context()
+    argv = ctx.meta.get(ARGV_KEY, sys.argv[1:])
+    command = launch_command() or ["adaloss", *argv]
     if (config_path is None) == (resume_dir is None):
         raise click.UsageError("give exactly one of --config FILE (a new run) or --resume RUN_DIR")
-    if resume_dir is not None:
-        if overrides or out or device or overwrite:
-            raise click.UsageError("--resume continues a run with its own config: --set, --out, --device and "
-                                   "--overwrite cannot be combined with it")
-        result = resume_experiment(resume_dir, progress=not quiet, command=command)
-    else:
-        extra = [f"device={device}"] if device else []
-        config = load_config(config_path, list(overrides) + extra)
-        for warning in config_warnings(config):
-            click.echo(f"Warning: {warning}", err=True)
-        result = run_experiment(config, out=out, overwrite=overwrite, progress=not quiet, command=command)
+    if resume_dir is not None and (overrides or out or device or overwrite):
+        raise click.UsageError("--resume continues a run with its own config: --set, --out, --device and "
+                               "--overwrite cannot be combined with it")
+    world = World.from_env()
+    if not world.active:
+        nproc = _processes_to_launch(nproc_per_node, config_path, resume_dir, overrides, device)
+        if nproc > 1:
+            from adaloss_cli.distributed import launch, without_option
+
+            code, note = launch(without_option(argv, "--nproc-per-node"), nproc, command)
+            if note:
+                click.echo(f"Error: {note}", err=True)
+            ctx.exit(code)
+    elif nproc_per_node is not None:
+        raise click.UsageError(f"this process is already one of {world.world_size} started by torchrun; drop "
+                               "--nproc-per-node (torchrun's own --nproc-per-node sets the number of processes)")
+    try:
+        with world.session():
+            result = _run(world, config_path, resume_dir, overrides, out, device, overwrite, quiet, command)
+    except (PeerFailed, Interrupted, Diverged):
+        if world.is_main:
+            raise
+        # An outcome all processes agreed on: rank 0 records and reports it, and its exit code is the run's. A
+        # non-zero code here would make torchrun stop rank 0 before it has written the run's final state.
+        return
+    if not world.is_main:
+        return
     if quiet:
         click.echo(str(result.run_dir))
     else:
         click.echo(format_summary(result.summary))
         click.echo(f"Run directory: {result.run_dir}")
+
+
+def _processes_to_launch(nproc_per_node: int | None, config_path: Path | None, resume_dir: Path | None,
+                         overrides: tuple[str, ...], device: str | None) -> int:
+    """How many processes to start (1: train here). A resumed run restarts on as many as it trained on.
+
+    Before any process starts, the config is validated against the number of processes, so a user mistake is one
+    error line here rather than one per process.
+    """
+    from adaloss_cli.distributed import check_world
+    from adaloss_cli.experiment import run_world_size
+
+    if resume_dir is not None:
+        trained_on = run_world_size(resume_dir)
+        return nproc_per_node or trained_on
+    if not nproc_per_node or nproc_per_node == 1:
+        return 1
+    check_world(load_config(config_path, list(overrides) + ([f"device={device}"] if device else [])),
+                nproc_per_node)
+    return nproc_per_node
+
+
+def _run(world, config_path: Path | None, resume_dir: Path | None, overrides: tuple[str, ...], out: Path | None,
+         device: str | None, overwrite: bool, quiet: bool, command: list[str]):
+    """Train in this process (one of ``world``)."""
+    from adaloss_cli.experiment import config_warnings, resume_experiment, run_experiment
+
+    if resume_dir is not None:
+        return resume_experiment(resume_dir, progress=not quiet, command=command, world=world)
+    config = load_config(config_path, list(overrides) + ([f"device={device}"] if device else []))
+    if world.is_main:
+        for warning in config_warnings(config):
+            click.echo(f"Warning: {warning}", err=True)
+    return run_experiment(config, out=out, overwrite=overwrite, progress=not quiet, command=command, world=world)

@@ -108,7 +108,8 @@ class TrainingConfig:
     """How long and how to train."""
     epochs: int = option(10, "Passes over the training set (ignored when `iterations` is set).", min=1)
     iterations: Optional[int] = option(None, "Total optimizer steps; overrides `epochs` when set.", min=1)
-    batch_size: int = option(64, "Examples per micro-batch.", min=1)
+    batch_size: int = option(64, "Examples per micro-batch; with several processes the global batch, split evenly "
+                             "across them.", min=1)
     eval_batch_size: int = option(256, "Examples per evaluation batch.", min=1)
     grad_accum_steps: int = option(1, "Micro-batches accumulated per optimizer step (effective batch = "
                                    "batch_size x grad_accum_steps).", min=1)

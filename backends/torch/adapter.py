@@ -1,7 +1,12 @@
-"""The PyTorch backend: model, optimizer, mixed precision and loss scaling behind the Backend interface."""
+"""The PyTorch backend: model, optimizer, mixed precision and loss scaling behind the Backend interface.
+
+Under torchrun (a process group of several processes set up), the training forward goes through
+DistributedDataParallel, the scaler's skip decision is all-reduced, and each process draws its own dropout masks.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import resource
 from typing import Any, Iterable, Sequence
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from adaloss_cli.backends.base import Backend, Batch, EvalResult, StepOutcome
+from adaloss_cli.backends.torch.distributed import data_parallel, world_size
 from adaloss_cli.backends.torch.models import build_model, describe_model
 from adaloss_cli.backends.torch.precision import MixedPrecisionForward
 from adaloss_cli.backends.torch.scaler import LossScaler
@@ -30,16 +36,25 @@ class TorchBackend(Backend):
     """Trains a zoo model with PyTorch in float32, float16 (fp32 master weights) or bfloat16."""
 
     name = "torch"
+    #: Trains data-parallel under torchrun (see adaloss_cli.distributed).
+    supports_distributed = True
 
     def __init__(self, config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int,
                  device: str) -> None:
         super().__init__(config, input_shape, num_classes, device)
         torch.manual_seed(config.run.seed)
         model = build_model(config.model, tuple(input_shape), num_classes).to(device)
-        self.scaler = LossScaler(model, config=config.loss_scaling)
+        distributed = world_size() > 1
+        self.scaler = LossScaler(model, config=config.loss_scaling,
+                                 process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
         self.forward = MixedPrecisionForward(self.model, config.precision.dtype)
+        # What training runs: the same forward, through DistributedDataParallel when there are several processes.
+        self.train_forward = data_parallel(self.model, self.forward)
         self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer)
+        if distributed:  # same initial weights everywhere (DDP broadcast rank 0's), own dropout masks per process
+            rank = torch.distributed.get_rank()
+            torch.manual_seed(int(np.random.SeedSequence([config.run.seed, rank]).generate_state(1)[0]))
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -72,10 +87,12 @@ class TorchBackend(Backend):
             if record and i == 0:
                 model = self.scaler.start_recording(self._reference_loss(x, y))
                 x = x.detach().requires_grad_(True)
-            loss = F.cross_entropy(self.forward(model, x), y) / len(micro_batches)
-            if self.inject_nonfinite_loss:
-                loss = loss * float("nan")
-            self.scaler.scale(loss).backward()
+            # Gradients are averaged over processes once, in the backward of the step's last micro-batch.
+            with self.train_forward.accumulating(skip_sync=i < len(micro_batches) - 1):
+                loss = F.cross_entropy(self.train_forward(model, x), y) / len(micro_batches)
+                if self.inject_nonfinite_loss:
+                    loss = loss * float("nan")
+                self.scaler.scale(loss).backward()
             total = total + loss.detach()
         return total
 
@@ -111,7 +128,8 @@ class TorchBackend(Backend):
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
-        """Mean cross-entropy and accuracy, in the training compute dtype."""
+        """Mean cross-entropy and accuracy, in the training compute dtype (with rank 0's batch-norm statistics)."""
+        self.train_forward.sync_buffers()
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
@@ -142,6 +160,28 @@ class TorchBackend(Backend):
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.startswith("cuda"):
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+    def rank_state(self) -> dict[str, Any]:
+        """What differs between processes of a distributed run: per-layer scales and random-number streams."""
+        state = {"scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.device.startswith("cuda"):
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rank_state` (after :meth:`load_state_dict` restored rank 0's full state)."""
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.startswith("cuda"):
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+    def parameter_digest(self) -> str:
+        """SHA-256 (16 hex digits) of every parameter's bytes: equal on all processes when they stayed in sync."""
+        digest = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            digest.update(name.encode())
+            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def describe(self) -> str:
         """One line about the model, and the table of scale points when adaptive."""

@@ -10,7 +10,8 @@ argument::
     scaler.update()
 
 Unscaling and the overflow check use torch's fused multi-tensor kernel; the only device-to-host read per step is
-the skip decision in :meth:`step`.
+the skip decision in :meth:`step`. With ``process_group`` (data-parallel training), the overflow flag and the loss
+are all-reduced before that read, so every process takes the same decision and logs the same loss.
 """
 
 from __future__ import annotations
@@ -77,10 +78,15 @@ class LossScaler:
             ``loss_scale_method="abs_range"`` for adaptive.
         passthrough_modules: extra parameter-owning module types the adaptive transform may treat like batch norm
             (parameter gradients unscaled, no factor of their own).
+        process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
+            processes must agree on skipping a step: the overflow flag is all-reduced (any process's overflow skips
+            the step everywhere) and the loss given to :meth:`step` averaged, in one collective before the step's
+            single host read. Adaptive scales stay per process: parameter gradients leave backward unscaled, so
+            DistributedDataParallel averages true gradients whatever scales each process chose.
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 passthrough_modules: Iterable[type] = (), **options: Any) -> None:
+                 passthrough_modules: Iterable[type] = (), process_group: Any = None, **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
@@ -92,6 +98,7 @@ class LossScaler:
                                          passthrough_modules=self._passthrough)
         else:
             self.model = model
+        self.process_group = process_group
         self._found_inf: torch.Tensor | None = None
         self._attempt = 0
         self.last_action: StepAction | None = None
@@ -139,16 +146,28 @@ class LossScaler:
         whether the policy wants the step skipped or the same batch retried with the smaller scale.
         """
         self.unscale_(optimizer)
-        flag = self._found_inf.reshape(1).float()
+        values = self._found_inf.reshape(1).float()
         if loss is not None:
-            found, self.last_loss = torch.cat([flag, loss.detach().reshape(1).float().to(flag.device)]).tolist()
-        else:
-            found = flag.item()
+            values = torch.cat([values, loss.detach().reshape(1).float().to(values.device)])
+        if self.process_group is not None:
+            values = self._all_reduce(values)
+        found, *rest = values.tolist()
+        if rest:
+            self.last_loss = rest[0]
         self.found_overflow = bool(found)
         self.last_action = self.policy.update(self.found_overflow, self._attempt)
         if self.last_action is StepAction.STEP:
             optimizer.step()
         return self.last_action is StepAction.STEP
+
+    def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """[overflow flag, loss?] over the process group in one collective: the flags are 0 or positive, so their
+        sum is non-zero exactly when their maximum is (any process overflowed); the loss becomes the mean."""
+        import torch.distributed as dist
+
+        dist.all_reduce(values, group=self.process_group)
+        values[1:] /= dist.get_world_size(self.process_group)
+        return values
 
     def update(self) -> None:
         """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one)."""
