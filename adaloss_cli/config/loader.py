@@ -16,7 +16,7 @@ from ._overrides import apply_overrides, parse_overrides
 from ._validate import validate
 from ._yaml_lines import parse_yaml, yaml_problem
 from .problems import ConfigError, Problem, ProblemCollector
-from .schema import ExperimentConfig
+from .schema import ExperimentConfig, LossScalingConfig
 
 __all__ = ["ConfigError", "Problem", "load_config", "load_config_dict"]
 
@@ -63,3 +63,17 @@ def load_config_dict(data: Mapping[str, Any] | None, source: str = "<dict>",
         ConfigError: listing every problem.
     """
     return validate(data, ProblemCollector(source, lines))
+
+
+def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
+    """Keyword options of one loss-scaling method (as a library ``LossScaler`` takes them), validated by the same
+    rules as YAML configs; a ``ValueError`` names the bad key."""
+    section: dict[str, Any] = {"method": method}
+    if options:
+        if method == "none":
+            raise ValueError(f"method 'none' takes no options, got {sorted(options)}")
+        section[method] = dict(options)
+    try:
+        return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
+    except ConfigError as err:
+        raise ValueError(str(err)) from None

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from adaloss_cli.backends.base import LayerRecord
-from adaloss_cli.config import ConfigError, load_config_dict
+from adaloss_cli.config.loader import scaling_config
 from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
@@ -34,20 +34,7 @@ from .transform import AdalossLinks, route, transform_links
 chainer = import_chainer()
 F = chainer.functions
 
-__all__ = ["LossScaler", "scaling_config", "preserved_rng_and_persistents"]
-
-
-def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
-    """Validate keyword options for one method through the same validator as YAML configs."""
-    section: dict[str, Any] = {"method": method}
-    if options:
-        if method == "none":
-            raise ValueError(f"method 'none' takes no options, got {sorted(options)}")
-        section[method] = dict(options)
-    try:
-        return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
-    except ConfigError as err:
-        raise ValueError(str(err)) from None
+__all__ = ["LossScaler", "preserved_rng_and_persistents"]
 
 
 @contextmanager

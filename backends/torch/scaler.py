@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from adaloss_cli.backends.base import LayerRecord
-from adaloss_cli.config import ConfigError, load_config_dict
+from adaloss_cli.config.loader import scaling_config
 from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
@@ -50,19 +50,6 @@ def _preserved_rng_and_buffers(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-
-
-def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
-    """Validate keyword options for one method through the same validator as YAML configs."""
-    section: dict[str, Any] = {"method": method}
-    if options:
-        if method == "none":
-            raise ValueError(f"method 'none' takes no options, got {sorted(options)}")
-        section[method] = dict(options)
-    try:
-        return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
-    except ConfigError as err:
-        raise ValueError(str(err)) from None
 
 
 class LossScaler:
