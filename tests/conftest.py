@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,10 @@ def write_config(path: Path, **sections) -> Path:
     }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    path.write_text(yaml.safe_dump(data))
+    # Atomic: distributed test workers write the same config from every rank while another rank may read it.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(data))
+    os.replace(tmp, path)
     return path
 
 
