@@ -86,6 +86,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Examples:
       adaloss train --config configs/digits.yaml
       adaloss train --config configs/digits.yaml --set loss_scaling.method=fixed --set precision.dtype=float16
+      adaloss compare fp32 none fixed dynamic adaptive --config configs/digits.yaml
+      adaloss train --resume runs/digits-cnn-dynamic-20261121-120000
       adaloss validate configs/*.yaml
       adaloss env
     """
