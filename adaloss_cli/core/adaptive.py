@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, element_wise_extremes,
                              nonzero_abs_min, second_moment, underflow_k)
 
-__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "output_factor",
-           "power_of_two_floor", "unbound_factor"]
+__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
+           "output_factor", "power_of_two_floor", "unbound_factor"]
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 _ABS_RANGE_O_MIN_FLOOR = 1e-15
@@ -191,6 +191,32 @@ def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOpti
                  axes: tuple[int, int] | None = None) -> Any:
     """The final factor of one scale point: :func:`bound_factor` of :func:`unbound_factor`."""
     return bound_factor(unbound_factor(gy, w, fan, opts, axes), accum_scale, opts)
+
+
+def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
+                     axes: tuple[int, int] | None = None) -> Any:
+    """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
+
+    ``state`` has ``table``, ``unbound`` and ``factor`` arrays, ``options``, ``adaptive``, ``refresh`` and
+    ``origin_slot``. Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations (reuses
+    it otherwise), caps the scale the layers created counting from the output point's scale, and writes A * s to
+    ``in_slot``. Returns s, or None in measure-only mode (where the scale passes through unchanged).
+    """
+    table = state.table
+    accum = table[out_slot]
+    if not state.adaptive:
+        table[in_slot] = accum
+        return None
+    opts = state.options
+    if state.refresh:
+        unbound = unbound_factor(gy, weight, fan, opts, axes)
+        state.unbound[index] = unbound
+    else:
+        unbound = state.unbound[index]
+    factor = bound_factor(unbound, accum / table[state.origin_slot], opts)
+    state.factor[index] = factor
+    table[in_slot] = accum * factor
+    return factor
 
 
 def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:

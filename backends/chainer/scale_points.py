@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (AdaptiveOptions, bound_factor, branch_common_scale, output_factor,
-                                       unbound_factor)
+from adaloss_cli.core.adaptive import AdaptiveOptions, branch_common_scale, layer_scale_step, output_factor
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 
 from ._compat import import_chainer
@@ -126,25 +125,10 @@ class ScalePoint:
 
     def scale_gradient(self, gy: Any, weight: Any, out_slot: int) -> Any:
         """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
-        state = self.state
-        if state.reference_pass:
+        if self.state.reference_pass:
             return gy
-        table = state.table
-        accum = table[out_slot]
-        if not state.adaptive:
-            table[self.in_slot] = accum
-            return gy
-        opts = state.options
-        if state.refresh:
-            unbound = unbound_factor(gy, weight, self.fan, opts, self.axes)
-            state.unbound[self.index] = unbound
-        else:
-            unbound = state.unbound[self.index]
-        # The accumulated cap counts the scale the layers created, from the output point's scale on.
-        factor = bound_factor(unbound, accum / table[state.origin_slot], opts)
-        state.factor[self.index] = factor
-        table[self.in_slot] = accum * factor
-        return gy * factor.astype(gy.dtype)
+        factor = layer_scale_step(self.state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes)
+        return gy if factor is None else gy * factor.astype(gy.dtype)
 
     def observe(self, gx: Any) -> None:
         """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow."""

@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (AdaptiveOptions, bound_factor, branch_common_scale, output_factor,
-                                       unbound_factor)
+from adaloss_cli.core.adaptive import AdaptiveOptions, branch_common_scale, layer_scale_step, output_factor
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 
 
@@ -122,24 +121,11 @@ class ScaleOutput(nn.Module):
 
     def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
-        state = self.state
-        if state.reference_pass:
+        if self.state.reference_pass:
             return gy
-        accum = state.table[self.out_slot]
-        if not state.adaptive:
-            state.table[self.in_slot] = accum
-            return gy
-        opts = state.options
-        if state.refresh:
-            unbound = unbound_factor(gy, weight, self.fan, opts, self.axes)
-            state.unbound[self.index] = unbound
-        else:
-            unbound = state.unbound[self.index]
-        # The accumulated cap counts the scale the layers created, from the output point's scale on.
-        factor = bound_factor(unbound, accum / state.table[state.origin_slot], opts)
-        state.factor[self.index] = factor
-        state.table[self.in_slot] = accum * factor
-        return gy * factor.to(gy.dtype)
+        factor = layer_scale_step(self.state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
+                                  self.axes)
+        return gy if factor is None else gy * factor.to(gy.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
