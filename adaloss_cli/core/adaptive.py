@@ -23,7 +23,7 @@ from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, e
                              nonzero_abs_min, second_moment, underflow_k)
 
 __all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
-           "output_factor", "power_of_two_floor", "unbound_factor"]
+           "branch_scale_step", "output_factor", "output_scale_step", "power_of_two_floor", "unbound_factor"]
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 _ABS_RANGE_O_MIN_FLOOR = 1e-15
@@ -217,6 +217,37 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     state.factor[index] = factor
     table[in_slot] = accum * factor
     return factor
+
+
+def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
+    """A branch point's backward bookkeeping: the multiplier of each incoming gradient (None: sum them as they are)
+    and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale between
+    refreshes: with the factors reused, the incoming scales are the same as then."""
+    table = state.table
+    if len(grads) == 1 or not state.adaptive:
+        table[in_slot] = table[slots[0]]
+        return None
+    scales = [table[slot] for slot in slots]
+    if state.refresh:
+        common, multipliers = branch_common_scale(grads, scales, state.options.range_for(grads[0].dtype)[1])
+        cache[...] = common
+    else:
+        multipliers = [cache / a for a in scales]
+    table[in_slot] = cache
+    return multipliers
+
+
+def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
+    """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
+    statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
+    table = state.table
+    if not state.adaptive:
+        table[in_slot] = table[out_slot]
+        return None
+    if state.refresh:
+        cache[...] = output_factor(g, target_dtype, state.options)
+    table[in_slot] = table[out_slot] * cache
+    return cache
 
 
 def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:

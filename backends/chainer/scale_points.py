@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import AdaptiveOptions, branch_common_scale, layer_scale_step, output_factor
+from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
+                                       output_scale_step)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 
 from ._compat import import_chainer
@@ -65,6 +66,13 @@ class ScaleState:
         self.output_factor = xp.ones((), dtype=np.float32)
         self.output_underflow = xp.full((), np.nan, dtype=np.float32)
         self.output_used = False
+        self.branch_common: dict[int, Any] = {}  # per branch point: its common scale, reused between refreshes
+
+    def branch_cache(self, index: int) -> Any:
+        """The 0-d array holding branch ``index``'s common scale."""
+        if index not in self.branch_common:
+            self.branch_common[index] = self.xp.ones((), dtype=np.float32)
+        return self.branch_common[index]
 
     @property
     def adaptive(self) -> bool:
@@ -96,12 +104,15 @@ class ScaleState:
         self.xp = xp
         for name in ("table", "unbound", "factor", "underflow", "output_factor", "output_underflow"):
             setattr(self, name, put(getattr(self, name)))
+        self.branch_common = {i: put(a) for i, a in self.branch_common.items()}
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as NumPy arrays) and the iteration counter."""
         host = chainer.backend.CpuDevice().send
         return {"iteration": self.iteration, "table": np.array(host(self.table)),
-                "unbound": np.array(host(self.unbound)), "factor": np.array(host(self.factor))}
+                "unbound": np.array(host(self.unbound)), "factor": np.array(host(self.factor)),
+                "output_factor": np.array(host(self.output_factor)),
+                "branch_common": {i: np.array(host(a)) for i, a in self.branch_common.items()}}
 
     def load_state_values(self, values: dict[str, Any]) -> None:
         """Restore :meth:`state_dict_values` (shapes must match: the same model)."""
@@ -113,6 +124,11 @@ class ScaleState:
                 raise ValueError(f"loss-scaler state '{name}' has shape {source.shape}, this model needs "
                                  f"{target.shape}: the checkpoint is from another model")
             target[...] = self.xp.asarray(source)
+        # Reused between refreshes (update_per_n_iteration), so a resume mid-interval needs them too.
+        if "output_factor" in values:
+            self.output_factor[...] = self.xp.asarray(np.asarray(values["output_factor"], dtype=np.float32))
+        for index, common in values.get("branch_common", {}).items():
+            self.branch_cache(int(index))[...] = self.xp.asarray(np.asarray(common, dtype=np.float32))
 
 
 class ScalePoint:
@@ -205,13 +221,10 @@ class BranchPoint:
         tensors = [g for g, _ in present]
         if state.reference_pass:
             return _sum(tensors)
-        table = state.table
-        if len(present) == 1 or not state.adaptive:
-            table[self.in_slot] = table[present[0][1]]
+        multipliers = branch_scale_step(state, self.in_slot, tensors, [slot for _, slot in present],
+                                        state.branch_cache(self.index))
+        if multipliers is None:
             return _sum(tensors)
-        u_max = state.options.range_for(tensors[0].dtype)[1]
-        common, multipliers = branch_common_scale(tensors, [table[slot] for _, slot in present], u_max)
-        table[self.in_slot] = common
         total = tensors[0] * multipliers[0].astype(tensors[0].dtype)
         for g, m in zip(tensors[1:], multipliers[1:]):
             total = total + g * m.astype(g.dtype)
@@ -282,16 +295,8 @@ class OutputPoint:
         state = self.state
         if state.reference_pass:
             return g.astype(dtype)
-        table = state.table
-        accum = table[out_slot]
-        if state.adaptive:
-            factor = output_factor(g, dtype, state.options)
-            state.output_factor[...] = factor
-            table[self.in_slot] = accum * factor
-            cast = (g * factor).astype(dtype)
-        else:
-            table[self.in_slot] = accum
-            cast = g.astype(dtype)
+        factor = output_scale_step(state, self.in_slot, out_slot, g, dtype, state.output_factor)
+        cast = g.astype(dtype) if factor is None else (g * factor).astype(dtype)
         if state.recording:
             state.output_underflow[...] = underflow_fraction(cast, g)
         return cast

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import AdaptiveOptions, branch_common_scale, layer_scale_step, output_factor
+from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
+                                       output_scale_step)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 
 
@@ -202,20 +203,11 @@ class BranchPoint(nn.Module):
         if not present:
             return None
         if state.reference_pass:
-            return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]
-        if len(present) == 1 or not state.adaptive:
-            state.table[self.in_slot] = state.table[present[0][1]]
-            return sum(g for g, _ in present[1:]) + present[0][0] if len(present) > 1 else present[0][0]
+            return _sum([g for g, _ in present])
         tensors = [g for g, _ in present]
-        scales = [state.table[slot] for _, slot in present]
-        if state.refresh:  # between refreshes every factor, so every incoming scale, is the same as then
-            u_max = state.options.range_for(tensors[0].dtype)[1]
-            common, multipliers = branch_common_scale(tensors, scales, u_max)
-            self.common.copy_(common)
-        else:
-            common = self.common
-            multipliers = [common / a for a in scales]
-        state.table[self.in_slot] = common
+        multipliers = branch_scale_step(state, self.in_slot, tensors, [slot for _, slot in present], self.common)
+        if multipliers is None:
+            return _sum(tensors)
         total = tensors[0] * multipliers[0].to(tensors[0].dtype)
         for g, m in zip(tensors[1:], multipliers[1:]):
             total = total + g * m.to(g.dtype)
@@ -259,19 +251,18 @@ class OutputPoint(nn.Module):
         state = self.state
         if state.reference_pass:
             return g.to(dtype)
-        accum = state.table[0]
-        if state.adaptive:
-            if state.refresh:
-                self.factor.copy_(output_factor(g, dtype, state.options))
-            factor = self.factor
-            state.table[self.in_slot] = accum * factor
-            cast = (g * factor).to(dtype)
-        else:
-            state.table[self.in_slot] = accum
-            cast = g.to(dtype)
+        factor = output_scale_step(state, self.in_slot, 0, g, dtype, self.factor)
+        cast = g.to(dtype) if factor is None else (g * factor).to(dtype)
         if state.recording:
             self.underflow.copy_(underflow_fraction(cast, g))
         return cast
 
     def extra_repr(self) -> str:
         return f"slots 0->{self.in_slot}"
+
+
+def _sum(tensors: list) -> torch.Tensor:
+    total = tensors[0]
+    for t in tensors[1:]:
+        total = total + t
+    return total
