@@ -361,6 +361,53 @@ def test_iterations_count_updates_not_backward_calls():
     assert not torch.equal(seen[4], seen[3]) and not torch.equal(seen[5], seen[4])
 
 
+def _train_recording_scales(scaler: LossScaler, batches, stale_every_step: bool) -> list:
+    """Per step: (factors, scale table, parameter gradients), training with SGD on ``batches``."""
+    optimizer = torch.optim.SGD(scaler.model.parameters(), lr=0.05)
+    state, seen = state_of(scaler), []
+    for x, y in batches:
+        if stale_every_step:
+            state.mark_stale()  # bounds, branch and output bookkeeping recomputed from the cached statistics
+        optimizer.zero_grad()
+        scaler.scale(F.cross_entropy(MixedPrecisionForward(scaler.model, "float16")(scaler.model, x), y)).backward()
+        seen.append((state.factor.clone(), state.table.clone(), grads(scaler.model)))
+        scaler.step(optimizer)
+        scaler.update()
+    return seen
+
+
+def test_steps_between_refreshes_apply_exactly_what_recomputing_the_bounds_gives():
+    """Between refreshes a scale point only applies its stored factor; that must equal recomputing every bound,
+    branch common scale and output scale from the cached statistics (ResNet: branches and batch norm, fp16)."""
+    model, x, y, _ = model_and_batch("resnet20")
+    batches = [(x * 4.0 ** k, y) for k in range(5)]  # other magnitudes, other factors at the refresh
+    options = dict(update_per_n_iteration=3, u_min=1.0, accum_upper_bound=2.0 ** 20)  # factors above and below 1
+    reused = _train_recording_scales(LossScaler(model, "adaptive", **options), batches, False)
+    recomputed = _train_recording_scales(LossScaler(model, "adaptive", **options), batches, True)
+    for step, ((f1, t1, g1), (f2, t2, g2)) in enumerate(zip(reused, recomputed)):
+        assert torch.equal(f1, f2) and torch.equal(t1, t2), f"step {step}"
+        for name in g1:
+            assert torch.equal(g1[name], g2[name]), f"step {step}: {name}"
+    assert not torch.equal(reused[2][1], reused[3][1]), "the refresh at step 3 must change the table"
+
+
+def test_a_new_loss_scale_between_refreshes_recomputes_the_accumulated_scales():
+    torch.manual_seed(0)
+    scaler = LossScaler(MLP(16, [16, 16], 4), "adaptive", update_per_n_iteration=10)
+    state, x = state_of(scaler), torch.randn(4, 1, 4, 4)
+    for scale in (1.0, 1.0, 8.0):
+        state.set_loss_scale(scale)
+        scaler.model.zero_grad()
+        F.cross_entropy(scaler.model(x), torch.arange(4)).mul(scale).backward()
+        scaler.update()
+    assert float(state.table[0]) == 8.0
+    points = list(scaler.model.adaloss.scale)
+    for p in points:
+        accum = float(state.table[p.out_slot])
+        assert float(state.table[p.in_slot]) == accum * float(state.factor[p.index])
+    assert float(state.table[points[-1].out_slot]) >= 8.0, "the origin's new scale must reach the last layer"
+
+
 # --- branches with very different incoming scales ----------------------------------------------------------------
 
 class DeepAndShortcut(nn.Module):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, element_wise_extremes,
-                             nonzero_abs_min, second_moment, underflow_k)
+                             magnitude_stats, nonzero_abs_min, ops_for, underflow_k)
 
 __all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
            "branch_scale_step", "output_factor", "output_scale_step", "power_of_two_floor", "unbound_factor"]
@@ -89,19 +89,23 @@ def _k(n_uf: float) -> float:
     return underflow_k(n_uf)
 
 
-# Each method returns (s, ok): the unbound factor and whether its statistics were finite.
+# Each method returns (s, ok): the unbound factor and whether its statistics were usable. They run every refresh on
+# every layer, mostly on 0-d arrays, so they are written with as few array operations as the rule allows.
 def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                   u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
     xp, c = ops.xp, ops.const
-    e_gy, e_w = second_moment(ops, gy), second_moment(ops, w)
+    e_gy, g_max = magnitude_stats(ops, gy)
+    e_w, w_max = magnitude_stats(ops, w)
     # max over {gy_min, gy_max} x {w_min, w_max} of |a * b| is max|gy| * max|W|.
-    o_max = abs_max(ops, gy) * abs_max(ops, w)
-    ok = xp.logical_and(xp.logical_and(xp.isfinite(e_gy), xp.isfinite(e_w)), xp.isfinite(o_max))
+    o_max = g_max * w_max
     # Square roots first: E[gy^2] * E[W^2] itself can underflow float32 for fp32 inputs.
     sigma = xp.sqrt(e_gy) * xp.sqrt(e_w) * c(math.sqrt(fan / 2.0))
-    lower = xp.maximum(ops.safe_div(c(u_min / opts.k), sigma, 1.0), c(1.0))
-    upper = ops.safe_div(c(u_max / fan), o_max, math.inf)
-    return xp.where(sigma > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+    # sigma = 0 or o_max = 0 divide to +inf here and are rejected through ok or by unbound_factor.
+    lower = ops.maximum(c(u_min / opts.k) / sigma, c(1.0))
+    s = ops.minimum(lower, c(u_max / fan) / o_max)
+    # The statistics are >= 0 or NaN, so their maximum is finite exactly when all of them are.
+    ok = ops.isfinite(ops.maximum(ops.maximum(e_gy, e_w), o_max)) & (sigma > c(0.0))
+    return s, ok
 
 
 def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
@@ -149,17 +153,16 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
     names the summed dimension in gy and W, default :func:`~.adaptive_stats.default_axes`. Non-finite statistics,
     an all-zero gy or W, or an empty array give s = 1.
     """
-    ops = Float32Ops(gy, w)
+    ops = ops_for(gy)
     if fan < 1:
         raise ValueError(f"fan must be >= 1, got {fan}")
     if math.prod(gy.shape) == 0 or math.prod(w.shape) == 0:
         return ops.array(ops.const(1.0))
     u_min, u_max = opts.range_for(gy.dtype)
-    xp, one = ops.xp, ops.const(1.0)
     with ops.quiet():
         s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
-        usable = xp.logical_and(xp.logical_and(ok, xp.isfinite(s)), s > ops.const(0.0))
-        return ops.array(xp.where(usable, s, one))
+        usable = ok & ops.isfinite(s) & (s > ops.const(0.0))
+        return ops.array(ops.where(usable, s, ops.const(1.0)))
 
 
 def _as_f32(ops: Float32Ops, value: Any) -> Any:
@@ -175,13 +178,12 @@ def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     accum_scale is the A the layer's gy carries (0-d array or number). With the caps,
     s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
     """
-    ops = Float32Ops(s)
-    xp = ops.xp
+    ops = ops_for(s)
     s = ops.f32(s)
     if opts.method == "approx_range" and opts.use_bound:
         with ops.quiet():
             cap = ops.const(opts.accum_upper_bound) / _as_f32(ops, accum_scale)
-        s = xp.minimum(xp.minimum(s, cap), ops.const(opts.scale_upper_bound))
+        s = ops.minimum(ops.minimum(s, cap), ops.const(opts.scale_upper_bound))
     if opts.power_of_two:
         s = power_of_two_floor(s)
     return ops.array(s)
@@ -197,11 +199,14 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
                      axes: tuple[int, int] | None = None) -> Any:
     """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
 
-    ``state`` has ``table``, ``unbound`` and ``factor`` arrays, ``options``, ``adaptive``, ``refresh`` and
+    ``state`` is a :class:`~.scale_schedule.ScaleSchedule` with ``table``, ``unbound`` and ``factor`` arrays and
     ``origin_slot``. Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations (reuses
     it otherwise), caps the scale the layers created counting from the output point's scale, and writes A * s to
-    ``in_slot``. Returns s, or None in measure-only mode (where the scale passes through unchanged).
+    ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the stored
+    s. Returns s, or None in measure-only mode (where the scale passes through unchanged).
     """
+    if state.reuse:
+        return state.factor[index]
     table = state.table
     accum = table[out_slot]
     if not state.adaptive:
@@ -225,9 +230,12 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     refreshes: with the factors reused, the incoming scales are the same as then."""
     table = state.table
     if len(grads) == 1 or not state.adaptive:
-        table[in_slot] = table[slots[0]]
+        if not state.reuse:
+            table[in_slot] = table[slots[0]]
         return None
     scales = [table[slot] for slot in slots]
+    if state.reuse:
+        return [cache / a for a in scales]
     if state.refresh:
         common, multipliers = branch_common_scale(grads, scales, state.options.range_for(grads[0].dtype)[1])
         cache[...] = common
@@ -240,6 +248,8 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
 def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
     """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
     statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
+    if state.reuse:
+        return cache
     table = state.table
     if not state.adaptive:
         table[in_slot] = table[out_slot]
@@ -258,33 +268,32 @@ def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
     headroom they may use (their accumulated cap counts from this scale), so nothing downstream needs to scale
     down. Power of two when ``power_of_two``; 1 for an all-zero or non-finite g.
     """
-    ops = Float32Ops(g)
-    xp, one = ops.xp, ops.const(1.0)
+    ops = ops_for(g)
+    xp, c = ops.xp, ops.const
     if math.prod(g.shape) == 0:
-        return ops.array(one)
+        return ops.array(c(1.0))
     u_min, u_max = opts.range_for(target_dtype)
     with ops.quiet():
-        lift = xp.maximum(ops.const(u_min) / nonzero_abs_min(ops, g), one)
-        cap = ops.const(u_max / opts.accum_upper_bound) / abs_max(ops, g)
-        s = xp.minimum(lift, cap)
-        usable = xp.logical_and(xp.isfinite(s), s > ops.const(0.0))
-        s = xp.where(usable, s, one)
+        mag = xp.abs(ops.f32(g))
+        lo = xp.min(ops.where(mag == c(0.0), c(math.inf), mag))
+        lift = ops.maximum(c(u_min) / lo, c(1.0))
+        s = ops.minimum(lift, c(u_max / opts.accum_upper_bound) / xp.max(mag))
+        s = ops.where(ops.isfinite(s) & (s > c(0.0)), s, c(1.0))
     return ops.array(power_of_two_floor(s) if opts.power_of_two else s)
 
 
 def power_of_two_floor(s: Any) -> Any:
-    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through."""
-    ops = Float32Ops(s)
-    xp, c = ops.xp, ops.const
-    s = ops.f32(s)
-    positive = xp.logical_and(s > c(0.0), xp.isfinite(s))
-    t = xp.where(positive, s, c(1.0))
-    with ops.quiet():  # 2 * 2**127 overflows harmlessly below
-        p = xp.pow(c(2.0), xp.floor(xp.log2(t)))
-        # log2 may round across an integer: fix p to the power of two just at or below t.
-        p = xp.where(p > t, p * c(0.5), p)
-        p = xp.where(p * c(2.0) <= t, p * c(2.0), p)
-    return ops.array(xp.where(positive, p, s))
+    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through.
+
+    log2 is taken in float64, where a float32 just below a power of two is still below it, so no rounding can carry
+    floor() across an integer; the result is exact in float32 (subnormals included).
+    """
+    ops = ops_for(s)
+    xp = ops.xp
+    s = ops.array(s)
+    with ops.quiet():  # log2 of 0, inf, NaN or a negative value: the where below keeps those as they were
+        p = xp.astype(2.0 ** xp.floor(xp.log2(xp.astype(s, xp.float64))), xp.float32)
+    return ops.where(ops.isfinite(p) & (p > ops.const(0.0)), p, s)
 
 
 def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: float) -> tuple[Any, list]:

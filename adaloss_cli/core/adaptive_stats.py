@@ -12,6 +12,7 @@ their subnormals. A product of two non-zero fp16 values is never zero in float32
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from typing import Any, Sequence
 
@@ -20,7 +21,7 @@ import numpy as np
 
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
-    "element_wise_extremes", "linear_fan", "nonzero_abs_min", "second_moment", "underflow_fraction", "underflow_k",
+    "element_wise_extremes", "linear_fan", "magnitude_stats", "nonzero_abs_min", "ops_for", "second_moment", "underflow_fraction", "underflow_k",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -90,6 +91,14 @@ def conv_fan(out_channels: int, kernel_size: int | Sequence[int], groups: int = 
 
 
 _CONSTANTS: dict[tuple[str, str, float], Any] = {}
+# The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
+# functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
+_NATIVE = {"array_api_compat.numpy": "numpy", "array_api_compat.torch": "torch", "array_api_compat.cupy": "cupy"}
+
+
+def _native_namespace(xp: Any) -> Any:
+    name = _NATIVE.get(xp.__name__)
+    return importlib.import_module(name) if name else xp
 
 
 class Float32Ops:
@@ -97,12 +106,17 @@ class Float32Ops:
 
     Constants are made so that no host-to-device copy happens: NumPy gets ``np.float32`` scalars (which keep
     float32 under NumPy 1.x's value-based casting), other namespaces a 0-d array filled on the device.
+    ``maximum``, ``minimum`` and ``where`` are the underlying library's own, for float32 arrays only: the factor
+    math is a few dozen operations on 0-d arrays per layer, where wrapper overhead would dominate.
     """
 
     def __init__(self, *arrays: Any):
         self.xp = array_api_compat.array_namespace(*arrays)
         self.device = array_api_compat.device(arrays[0])
         self._numpy = array_api_compat.is_numpy_namespace(self.xp)
+        native = _native_namespace(self.xp)
+        self.maximum, self.minimum, self.where = native.maximum, native.minimum, native.where
+        self.isfinite = self.xp.isfinite
 
     def const(self, value: float) -> Any:
         """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
@@ -117,11 +131,13 @@ class Float32Ops:
 
     def f32(self, x: Any) -> Any:
         """x as float32 (no copy when it already is)."""
-        return self.xp.astype(x, self.xp.float32, copy=False)
+        if x.dtype == self.xp.float32:
+            return x
+        return self.xp.astype(x, self.xp.float32)
 
     def array(self, x: Any) -> Any:
         """x as a float32 array: NumPy reductions return scalars, callers get (0-d) arrays."""
-        return self.xp.asarray(self.f32(x))
+        return self.xp.asarray(self.f32(x)) if self._numpy else self.f32(x)
 
     def quiet(self) -> Any:
         """Silence NumPy's floating-point warnings: non-finite inputs are handled by ``where``, not by warnings."""
@@ -129,9 +145,20 @@ class Float32Ops:
 
     def safe_div(self, num: Any, den: Any, if_zero: float) -> Any:
         """num / den, or if_zero where den == 0, without a division by zero."""
-        xp = self.xp
         zero = den == self.const(0.0)
-        return xp.where(zero, self.const(if_zero), num / xp.where(zero, self.const(1.0), den))
+        return self.where(zero, self.const(if_zero), num / self.where(zero, self.const(1.0), den))
+
+
+_OPS: dict[tuple[type, Any], Float32Ops] = {}
+
+
+def ops_for(x: Any) -> Float32Ops:
+    """The :class:`Float32Ops` of x's library and device, made once per (array type, device)."""
+    key = (type(x), getattr(x, "device", None))
+    ops = _OPS.get(key)
+    if ops is None:
+        ops = _OPS[key] = Float32Ops(x)
+    return ops
 
 
 def default_axes(gy: Any, w: Any) -> tuple[int, int]:
@@ -155,6 +182,13 @@ def second_moment(ops: Float32Ops, x: Any) -> Any:
 def abs_max(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
     """max |x| in float32, over all elements or per index of ``axis``. NaN propagates."""
     return ops.xp.max(ops.xp.abs(ops.f32(x)), axis=_reduce_axes(x, axis))
+
+
+def magnitude_stats(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
+    """(E[x^2], max |x|) over all elements in float32, from one float32 copy of x."""
+    x = ops.f32(x)
+    xp = ops.xp
+    return xp.mean(x * x), xp.max(xp.abs(x))
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:

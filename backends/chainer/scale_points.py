@@ -29,6 +29,7 @@ from adaloss_cli.backends.base import OUTPUT_RECORD
 from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
                                        output_scale_step)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.scale_schedule import ScaleSchedule
 
 from ._compat import import_chainer
 
@@ -41,22 +42,19 @@ def _variable(array: Any) -> "chainer.Variable":
     return chainer.Variable(array, requires_grad=False)
 
 
-class ScaleState:
+class ScaleState(ScaleSchedule):
     """Shared state of one transformed model: the scale table and the per-point factors and measurements.
 
     ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
     (used to measure underflow for the none/fixed/dynamic methods). Arrays live in ``xp`` (numpy or cupy), float32.
+    When the scale points recompute what is :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision.
     """
 
     def __init__(self, xp: Any, num_slots: int, num_points: int, options: AdaptiveOptions | None,
                  init_scale: float, origin_slot: int) -> None:
         self.xp = xp
-        self.options = options
-        self.iteration = 0
-        self.recording = False
-        self.reference_pass = False
+        self.init_schedule(options)
         self.origin_slot = origin_slot
-        self.reference: dict[int, Any] = {}
         self.call_order: list[int] = []   # scale points in the order the forward first called them
         self._called: set[int] = set()
         self.table = xp.full((num_slots,), init_scale, dtype=np.float32)
@@ -75,19 +73,9 @@ class ScaleState:
         return self.branch_common[index]
 
     @property
-    def adaptive(self) -> bool:
-        """Whether factors are computed (False: measure-only)."""
-        return self.options is not None
-
-    @property
     def measuring(self) -> bool:
         """Whether this pass measures layer input gradients (the reference pass or a recorded pass)."""
         return self.recording or self.reference_pass
-
-    @property
-    def refresh(self) -> bool:
-        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
-        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
 
     def called(self, index: int) -> None:
         """Note that scale point ``index`` ran (records are listed in forward order)."""
@@ -96,8 +84,12 @@ class ScaleState:
             self.call_order.append(index)
 
     def set_loss_scale(self, scale: float) -> None:
-        """Measure-only: the global loss scale is the scale of every edge."""
-        self.table[...] = scale
+        """The loss scale at the origin (slot 0); measure-only: the scale of every edge."""
+        if self.adaptive:
+            self.table[0] = scale
+        else:
+            self.table[...] = scale
+        self.note_origin_scale(scale)
 
     def to_device(self, xp: Any, put: Any) -> None:
         """Move every array with ``put`` (a function array -> array on the new device)."""
@@ -129,6 +121,7 @@ class ScaleState:
             self.output_factor[...] = self.xp.asarray(np.asarray(values["output_factor"], dtype=np.float32))
         for index, common in values.get("branch_common", {}).items():
             self.branch_cache(int(index))[...] = self.xp.asarray(np.asarray(common, dtype=np.float32))
+        self.mark_stale()
 
 
 class ScalePoint:

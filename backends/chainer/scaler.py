@@ -129,12 +129,8 @@ class LossScaler:
         scale = self.policy.scale
         state = self.state
         xp = chainer.backend.get_array_module(loss.array)
-        if state.adaptive:
-            state.table[0] = scale
-            slots = route(self.links, loss)
-        else:
-            state.set_loss_scale(scale)
-            slots = None
+        state.set_loss_scale(scale)
+        slots = route(self.links, loss) if state.adaptive else None
         loss.grad = xp.full(loss.shape, scale, dtype=loss.dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is found and handled in step()
             loss.backward()
@@ -194,11 +190,7 @@ class LossScaler:
         """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one)."""
         retry = self.last_action is StepAction.RETRY
         self._attempt = self._attempt + 1 if retry else 0
-        state = self.state
-        state.recording = False
-        state.reference.clear()
-        if not retry:
-            state.iteration += 1
+        self.state.finish_iteration(retry)
 
     @property
     def should_retry(self) -> bool:

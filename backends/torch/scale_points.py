@@ -29,28 +29,27 @@ from adaloss_cli.backends.base import OUTPUT_RECORD
 from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
                                        output_scale_step)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.scale_schedule import ScaleSchedule
 
 
-class ScaleState(nn.Module):
+class ScaleState(nn.Module, ScaleSchedule):
     """Shared state of one transformed model: the scale table and the per-point factors and measurements.
 
     ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
-    (used to measure underflow for the none/fixed/dynamic methods).
+    (used to measure underflow for the none/fixed/dynamic methods). When the scale points recompute what is
+    :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision.
     """
 
     def __init__(self, num_slots: int, num_points: int, options: AdaptiveOptions | None, init_scale: float) -> None:
         super().__init__()
-        self.options = options
-        self.iteration = 0
-        self.recording = False
-        self.reference_pass = False
+        self.init_schedule(options)
         self.origin_slot = 0
-        self.reference: dict[int, torch.Tensor] = {}
         self.register_buffer("table", torch.ones(num_slots), persistent=False)
         self.register_buffer("unbound", torch.ones(num_points), persistent=False)
         self.register_buffer("factor", torch.ones(num_points), persistent=False)
         self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
         self.table.fill_(init_scale)
+        self.note_origin_scale(init_scale)
 
     def _apply(self, fn, *args, **kwargs):
         """Moves with the model, but the scales stay float32 even when the model is cast to half."""
@@ -60,19 +59,10 @@ class ScaleState(nn.Module):
                 self._buffers[name] = buffer.float()
         return self
 
-    @property
-    def adaptive(self) -> bool:
-        """Whether factors are computed (False: measure-only)."""
-        return self.options is not None
-
-    @property
-    def refresh(self) -> bool:
-        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
-        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
-
     def set_loss_scale(self, scale: float) -> None:
         """The scale of the gradient arriving from the loss (slot 0)."""
         self.table[0] = scale
+        self.note_origin_scale(scale)
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
@@ -84,6 +74,7 @@ class ScaleState(nn.Module):
         self.iteration = int(values["iteration"])
         for name in ("table", "unbound", "factor"):
             getattr(self, name).copy_(values[name])
+        self.mark_stale()
 
 
 def _state_ref(module: nn.Module, state: ScaleState) -> None:
@@ -155,6 +146,9 @@ class MeasureInput(nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        if not (state.recording or state.reference_pass):
+            return x  # nothing to measure: no autograd node on ordinary steps
         return _MeasureGrad.apply(x, self)
 
     def observe(self, gx: torch.Tensor) -> None:

@@ -163,10 +163,7 @@ class LossScaler:
         self._found_inf = None
         state = self._active_state()
         if state is not None:
-            state.recording = False
-            state.reference.clear()
-            if not retry:
-                state.iteration += 1
+            state.finish_iteration(retry)
 
     # -- per-layer view: scale points, recording, underflow -------------------------------------------------------
 

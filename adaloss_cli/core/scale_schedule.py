@@ -1,0 +1,72 @@
+"""When a transformed model's scale points recompute what: shared by every backend's scale state.
+
+The per-layer factors depend on two things: the statistics-based (unbound) factors, recomputed every
+``update_per_n_iteration`` iterations, and the accumulated scales they are bounded against, which are products of
+those same cached factors and the loss scale at the origin. Between refreshes, with the loss scale unchanged, every
+factor and every accumulated scale is therefore exactly what the last full backward computed: a scale point only
+has to multiply by its stored factor (:attr:`ScaleSchedule.reuse`). Anything that could change them (a new loss
+scale, restored state) marks the tables stale, and the next backward recomputes the bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ScaleSchedule"]
+
+
+class ScaleSchedule:
+    """Mixin for a backend's scale state: the iteration counter, recording flags and the reuse decision.
+
+    A subclass calls :meth:`init_schedule` in its ``__init__`` and keeps its arrays itself.
+    """
+
+    options: Any  # AdaptiveOptions, or None for measure-only
+    iteration: int
+
+    def init_schedule(self, options: Any) -> None:
+        """Set the schedule's fields (call once from the subclass's ``__init__``)."""
+        self.options = options
+        self.iteration = 0
+        self.recording = False
+        self.reference_pass = False
+        self.reference: dict[int, Any] = {}
+        self._tables_current = False
+        self._origin_scale: float | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether factors are computed (False: measure-only)."""
+        return self.options is not None
+
+    @property
+    def refresh(self) -> bool:
+        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
+        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
+
+    @property
+    def reuse(self) -> bool:
+        """Whether every factor and accumulated scale of the last full backward still holds, so that scale points
+        only apply their stored factors (no statistics, no bounds, no table writes)."""
+        return self._tables_current and not self.refresh
+
+    def note_origin_scale(self, scale: float) -> None:
+        """The loss scale the next backward starts from; a change makes the stored accumulated scales stale."""
+        if scale != self._origin_scale:
+            self._origin_scale = scale
+            self._tables_current = False
+
+    def mark_stale(self) -> None:
+        """The next backward recomputes every bound (after state was restored or edited from outside)."""
+        self._tables_current = False
+
+    def finish_iteration(self, retry: bool) -> None:
+        """After the optimizer decision: drop recording state; count the iteration unless the batch is re-run.
+
+        The backward just finished wrote every factor and accumulated scale, so they hold until the next refresh.
+        """
+        self.recording = False
+        self.reference.clear()
+        self._tables_current = self.adaptive
+        if not retry:
+            self.iteration += 1
