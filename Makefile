@@ -39,7 +39,7 @@ test: install-test
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks --backend all
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

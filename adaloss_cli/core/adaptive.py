@@ -89,23 +89,24 @@ def _k(n_uf: float) -> float:
     return underflow_k(n_uf)
 
 
-# Each method returns (s, ok): the unbound factor and whether its statistics were usable. They run every refresh on
-# every layer, mostly on 0-d arrays, so they are written with as few array operations as the rule allows.
+# Each method returns (s, ok): the unbound factor and whether its statistics were usable (None: s itself tells, as
+# unbound_factor rejects any s that is not positive and finite). approx_range runs every refresh on every layer,
+# mostly on 0-d arrays, so it is written with as few array operations as the rule allows.
 def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                   u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
     xp, c = ops.xp, ops.const
-    e_gy, g_max = magnitude_stats(ops, gy)
-    e_w, w_max = magnitude_stats(ops, w)
+    sq_gy, g_max = magnitude_stats(ops, gy)
+    sq_w, w_max = magnitude_stats(ops, w)
+    # sigma = sqrt(fan / 2 * E[gy^2] * E[W^2]); square roots first: the product of the sums can underflow float32.
+    n = math.prod(gy.shape) * math.prod(w.shape)
+    sigma = xp.sqrt(sq_gy) * xp.sqrt(sq_w) * c(math.sqrt(fan / 2.0 / n))
     # max over {gy_min, gy_max} x {w_min, w_max} of |a * b| is max|gy| * max|W|.
     o_max = g_max * w_max
-    # Square roots first: E[gy^2] * E[W^2] itself can underflow float32 for fp32 inputs.
-    sigma = xp.sqrt(e_gy) * xp.sqrt(e_w) * c(math.sqrt(fan / 2.0))
-    # sigma = 0 or o_max = 0 divide to +inf here and are rejected through ok or by unbound_factor.
+    # No check needed here: a NaN in gy or W makes s NaN; an Inf makes o_max infinite, so s = 0; an all-zero gy or W
+    # makes sigma and o_max zero, so s = +inf. unbound_factor turns all three into 1. (Float32 inputs beyond ~1e19,
+    # whose squares overflow, or below ~1e-23, whose squares underflow, leave s = the upper bound: still safe.)
     lower = ops.maximum(c(u_min / opts.k) / sigma, c(1.0))
-    s = ops.minimum(lower, c(u_max / fan) / o_max)
-    # The statistics are >= 0 or NaN, so their maximum is finite exactly when all of them are.
-    ok = ops.isfinite(ops.maximum(ops.maximum(e_gy, e_w), o_max)) & (sigma > c(0.0))
-    return s, ok
+    return ops.minimum(lower, c(u_max / fan) / o_max), None
 
 
 def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
@@ -161,7 +162,7 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
     u_min, u_max = opts.range_for(gy.dtype)
     with ops.quiet():
         s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
-        usable = ok & ops.isfinite(s) & (s > ops.const(0.0))
+        usable = ops.positive_finite(s) if ok is None else ok & ops.positive_finite(s)
         return ops.array(ops.where(usable, s, ops.const(1.0)))
 
 
@@ -179,14 +180,15 @@ def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
     """
     ops = ops_for(s)
-    s = ops.f32(s)
+    with ops.quiet():
+        return ops.array(_bound(ops, ops.f32(s), _as_f32(ops, accum_scale), opts))
+
+
+def _bound(ops: Float32Ops, s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     if opts.method == "approx_range" and opts.use_bound:
-        with ops.quiet():
-            cap = ops.const(opts.accum_upper_bound) / _as_f32(ops, accum_scale)
+        cap = ops.const(opts.accum_upper_bound) / accum_scale
         s = ops.minimum(ops.minimum(s, cap), ops.const(opts.scale_upper_bound))
-    if opts.power_of_two:
-        s = power_of_two_floor(s)
-    return ops.array(s)
+    return _floor_power_of_two(ops, s) if opts.power_of_two else s
 
 
 def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOptions,
@@ -213,15 +215,17 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
         table[in_slot] = accum
         return None
     opts = state.options
-    if state.refresh:
-        unbound = unbound_factor(gy, weight, fan, opts, axes)
-        state.unbound[index] = unbound
-    else:
-        unbound = state.unbound[index]
-    factor = bound_factor(unbound, accum / table[state.origin_slot], opts)
-    state.factor[index] = factor
-    table[in_slot] = accum * factor
-    return factor
+    ops = ops_for(gy)
+    with ops.quiet():
+        if state.refresh:
+            unbound = unbound_factor(gy, weight, fan, opts, axes)
+            state.unbound[index] = unbound
+        else:
+            unbound = state.unbound[index]
+        factor = _bound(ops, unbound, accum / table[state.origin_slot], opts)
+        state.factor[index] = factor
+        table[in_slot] = accum * factor
+    return ops.array(factor)
 
 
 def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
@@ -278,22 +282,27 @@ def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
         lo = xp.min(ops.where(mag == c(0.0), c(math.inf), mag))
         lift = ops.maximum(c(u_min) / lo, c(1.0))
         s = ops.minimum(lift, c(u_max / opts.accum_upper_bound) / xp.max(mag))
-        s = ops.where(ops.isfinite(s) & (s > c(0.0)), s, c(1.0))
+        s = ops.where(ops.positive_finite(s), s, c(1.0))
     return ops.array(power_of_two_floor(s) if opts.power_of_two else s)
 
 
 def power_of_two_floor(s: Any) -> Any:
-    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through.
+    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through."""
+    ops = ops_for(s)
+    s = ops.array(s)
+    with ops.quiet():
+        p = _floor_power_of_two(ops, s)
+    return ops.where(ops.positive_finite(p), p, s)
+
+
+def _floor_power_of_two(ops: Float32Ops, s: Any) -> Any:
+    """2**floor(log2(s)) in float32 for s > 0; 0 and +inf stay, NaN for NaN and negative s.
 
     log2 is taken in float64, where a float32 just below a power of two is still below it, so no rounding can carry
     floor() across an integer; the result is exact in float32 (subnormals included).
     """
-    ops = ops_for(s)
     xp = ops.xp
-    s = ops.array(s)
-    with ops.quiet():  # log2 of 0, inf, NaN or a negative value: the where below keeps those as they were
-        p = xp.astype(2.0 ** xp.floor(xp.log2(xp.astype(s, xp.float64))), xp.float32)
-    return ops.where(ops.isfinite(p) & (p > ops.const(0.0)), p, s)
+    return xp.astype(2.0 ** xp.floor(xp.log2(xp.astype(s, xp.float64))), xp.float32)
 
 
 def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: float) -> tuple[Any, list]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import threading
 from typing import Any, Sequence
 
 import array_api_compat
@@ -116,17 +117,16 @@ class Float32Ops:
         self._numpy = array_api_compat.is_numpy_namespace(self.xp)
         native = _native_namespace(self.xp)
         self.maximum, self.minimum, self.where = native.maximum, native.minimum, native.where
-        self.isfinite = self.xp.isfinite
 
     def const(self, value: float) -> Any:
         """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
         a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
-        if self._numpy:
-            return np.float32(value)
-        key = (self.xp.__name__, str(self.device), float(value))
+        key = (self.xp.__name__, str(self.device), value)
         cached = _CONSTANTS.get(key)
         if cached is None:
-            cached = _CONSTANTS[key] = self.xp.full((), value, dtype=self.xp.float32, device=self.device)
+            cached = np.float32(value) if self._numpy else self.xp.full((), value, dtype=self.xp.float32,
+                                                                        device=self.device)
+            _CONSTANTS[key] = cached
         return cached
 
     def f32(self, x: Any) -> Any:
@@ -137,16 +137,38 @@ class Float32Ops:
 
     def array(self, x: Any) -> Any:
         """x as a float32 array: NumPy reductions return scalars, callers get (0-d) arrays."""
-        return self.xp.asarray(self.f32(x)) if self._numpy else self.f32(x)
+        return np.asarray(self.f32(x)) if self._numpy else self.f32(x)
+
+    def positive_finite(self, x: Any) -> Any:
+        """0 < x < inf, elementwise: False for 0, inf and NaN (two comparisons, where isfinite costs several ops)."""
+        return (x > self.const(0.0)) & (x < self.const(math.inf))
 
     def quiet(self) -> Any:
         """Silence NumPy's floating-point warnings: non-finite inputs are handled by ``where``, not by warnings."""
-        return np.errstate(all="ignore") if self._numpy else contextlib.nullcontext()
+        return _NumpyQuiet() if self._numpy else contextlib.nullcontext()
 
     def safe_div(self, num: Any, den: Any, if_zero: float) -> Any:
         """num / den, or if_zero where den == 0, without a division by zero."""
         zero = den == self.const(0.0)
         return self.where(zero, self.const(if_zero), num / self.where(zero, self.const(1.0), den))
+
+
+class _NumpyQuiet:
+    """``np.errstate(all="ignore")`` that costs nothing when nested: the factor math enters it several times per
+    layer, and each NumPy errstate change costs more than the arithmetic it guards."""
+
+    _depth = threading.local()
+
+    def __enter__(self) -> None:
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            self._depth.saved = np.seterr(all="ignore")
+        self._depth.n = depth + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth.n -= 1
+        if self._depth.n == 0:
+            np.seterr(**self._depth.saved)
 
 
 _OPS: dict[tuple[type, Any], Float32Ops] = {}
@@ -185,10 +207,13 @@ def abs_max(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
 
 
 def magnitude_stats(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
-    """(E[x^2], max |x|) over all elements in float32, from one float32 copy of x."""
-    x = ops.f32(x)
+    """(sum of x^2, max |x|) over all elements in float32, from one float32 copy of x (NaN propagates).
+
+    The sum is an inner product: one reading pass, no squared temporary.
+    """
     xp = ops.xp
-    return xp.mean(x * x), xp.max(xp.abs(x))
+    flat = xp.reshape(ops.f32(x), (-1,))
+    return flat @ flat, xp.max(xp.abs(flat))
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:

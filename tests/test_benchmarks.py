@@ -1,0 +1,45 @@
+"""The benchmark command runs end to end for both backends and prints its ratios (tiny sizes; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmarks(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_benchmarks("--quick", "--no-memory", "--models", "mlp", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    for variant in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100"):
+        assert re.search(rf"^{variant}\s+[\d.]+\s+[\d.]+", done.stdout, re.M), done.stdout
+    timing = json.loads(out.read_text())["models"]["mlp"]["timing"]
+    assert timing["gradscaler"]["ratio"] == 1.0 and timing["adaptive-1"]["ratio"] > 0
+
+
+def test_chainer_benchmark_runs_through_the_same_command():
+    from adaloss_cli.backends.chainer import _compat
+    try:
+        _compat.import_chainer()
+    except ImportError as err:
+        pytest.skip(str(err))
+    done = run_benchmarks("--backend", "chainer", "--quick", "--models", "mlp")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"mlp\s+adaptive-1\s+[\d.]+\s+[\d.]+\s+<= 1.15 (met|MISSED)", done.stdout), done.stdout
+    assert re.search(r"mlp\s+dynamic\s+[\d.]+\s+1.000", done.stdout), done.stdout
+
+
+def test_all_refuses_options_it_cannot_pass_to_both():
+    done = run_benchmarks("--backend", "all", "--no-memory")
+    assert done.returncode == 2 and "--no-memory" in done.stderr
