@@ -289,6 +289,34 @@ def test_iterations_count_updates_not_backward_calls():
     assert not np.array_equal(seen[4], seen[3]) and not np.array_equal(seen[5], seen[4])
 
 
+def _train_recording_scales(stale_every_step: bool) -> list:
+    """Per step of a seeded ResNet-20 (branches, batch norm): (factors, scale table, parameter gradients)."""
+    from test_chainer_support import seeded_model
+    model, x, t = seeded_model("resnet20")
+    scaler = adaptive(model, update_per_n_iteration=3, u_min=1.0, accum_upper_bound=2.0 ** 20)
+    optimizer = TorchSGD(lr=0.05)
+    optimizer.setup(model)
+    seen = []
+    for k in range(5):
+        if stale_every_step:
+            scaler.state.mark_stale()  # bounds, branch and output bookkeeping recomputed from the cached statistics
+        model.cleargrads()
+        scaled_backward(scaler, model, x * np.float32(4.0 ** k), t)
+        seen.append((scaler.state.factor.copy(), scaler.state.table.copy(), grads(model)))
+        scaler.step(optimizer)
+        scaler.update()
+    return seen
+
+
+def test_steps_between_refreshes_apply_exactly_what_recomputing_the_bounds_gives():
+    reused, recomputed = _train_recording_scales(False), _train_recording_scales(True)
+    for step, ((f1, t1, g1), (f2, t2, g2)) in enumerate(zip(reused, recomputed)):
+        assert np.array_equal(f1, f2) and np.array_equal(t1, t2), f"step {step}"
+        for name in g1:
+            assert np.array_equal(g1[name], g2[name]), f"step {step}: {name}"
+    assert not np.array_equal(reused[2][1], reused[3][1]), "the refresh at step 3 must change the table"
+
+
 # --- branches with very different incoming scales ----------------------------------------------------------------
 
 class DeepAndShortcut(chainer.Chain):
