@@ -21,10 +21,11 @@ back (GradScaler's own documented loop); each does exactly the one host read of 
 
 Timing: variants are interleaved one step at a time (A B C D, B C D A, ...), so machine noise (other processes,
 frequency changes) hits them alike; the order rotates every step so each variant holds each slot equally often.
-The reported time is the median of the per-step times; CUDA is synchronised before each clock read. The ratio's
-spread over repeats (each repeat's median ratio) shows how much noise there was. ``adaptive-100`` recomputes its
-statistics on one step in 100, which a median never sees, so it is also reported amortised:
-``t(adaptive-100) + (t(adaptive-1) - t(adaptive-100)) / 100``; its goal is checked on that amortised time.
+The reported time is the median of the per-step times; CUDA is synchronised before each clock read. A ratio is the
+median over rounds of the paired ratio (a variant's step over the reference's step in the same round), which cancels
+noise that slows a whole round; its spread over repeats (each repeat's ratio) shows how much noise there was.
+``adaptive-100`` recomputes its statistics on one step in 100, which a median never sees, so it is also reported
+amortised: ``r(adaptive-100) + (r(adaptive-1) - r(adaptive-100)) / 100``; its goal is checked on that.
 
 Peak memory: each (model, variant) runs in a fresh process (RSS is process-wide, and allocator caches would carry
 over), forked from a multiprocessing forkserver that has imported torch and adaloss but computed nothing. It builds the
@@ -219,13 +220,23 @@ def time_variants(runners: dict[str, Runner], batches: list, work: Workload, dev
     return times
 
 
+def _paired_ratio(steps: list[float], reference: list[float]) -> float:
+    """Median over rounds of (this variant's step) / (the reference's step in the same round)."""
+    return statistics.median(t / r for t, r in zip(steps, reference))
+
+
 def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, Any]]:
-    """Median ms/step, ratio to the reference and its spread over repeats, amortised adaptive-N times."""
+    """Median ms/step; ratio to the reference and its spread over repeats; amortised adaptive-N ratios.
+
+    A ratio is the median of paired ratios: each round runs every variant once, back to back, so dividing within a
+    round cancels whatever slowed the whole round (another process, a frequency change). On this project's
+    2-core virtual machines that halved the spread of an A/A comparison against a ratio of medians.
+    """
     out: dict[str, dict[str, Any]] = {}
     flat = {name: [t for rep in reps for t in rep] for name, reps in times.items()}
     med = {name: statistics.median(ts) * 1e3 for name, ts in flat.items()}
     rep_med = {name: [statistics.median(rep) * 1e3 for rep in reps] for name, reps in times.items()}
-    ref = med.get(REFERENCE)
+    ref = times.get(REFERENCE)
     for name in times:
         row: dict[str, Any] = {
             "ms_median": med[name],
@@ -235,18 +246,17 @@ def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, 
             "repeat_medians_ms": rep_med[name],
         }
         if ref:
-            row["ratio"] = med[name] / ref
-            ratios = [a / b for a, b in zip(rep_med[name], rep_med[REFERENCE])]
+            row["ratio"] = _paired_ratio(flat[name], flat[REFERENCE])
+            ratios = [_paired_ratio(rep, ref_rep) for rep, ref_rep in zip(times[name], ref)]
             row["repeat_ratio_min"], row["repeat_ratio_max"] = min(ratios), max(ratios)
         out[name] = row
-    every = med.get("adaptive-1")
-    for name in times:
+    every = out.get("adaptive-1")
+    for name, row in out.items():
         if name.startswith("adaptive-") and name != "adaptive-1" and every is not None:
             n = int(name.split("-", 1)[1])
-            amortised = med[name] + (every - med[name]) / n
-            out[name]["ms_amortised"] = amortised
-            if ref:
-                out[name]["ratio_amortised"] = amortised / ref
+            row["ms_amortised"] = med[name] + (every["ms_median"] - med[name]) / n
+            if "ratio" in row:
+                row["ratio_amortised"] = row["ratio"] + (every["ratio"] - row["ratio"]) / n
     return out
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from adaloss_cli.backends.torch.models import MLP, CifarResNet, SimpleCNN, resnet18_torchvision_style  # noqa: E402
 from adaloss_cli.backends.torch.precision import MixedPrecisionForward  # noqa: E402
 from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.backends.torch.transform import TransformError  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss_cli.backends.torch.transform import TransformError, transform_model  # noqa: E402
+from adaloss_cli.core.adaptive import METHODS, AdaptiveOptions  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -151,6 +151,51 @@ def test_accumulated_micro_batches_with_different_factors_sum_to_the_plain_gradi
         (F.cross_entropy(reference(x[part]), y[part]) * weight).backward()
         factors.append(state_of(scaler).factor.clone())
     assert not torch.equal(factors[0], factors[1]), "the two backwards should use different factors"
+    assert_same_grads(scaler.model, grads(reference))
+
+
+@pytest.mark.parametrize("unscale", ["after_backward", "per_parameter"])
+def test_both_ways_of_unscaling_parameter_gradients_give_plain_autograd_with_accumulation(unscale):
+    """After the backward pass (the default) or per parameter (data-parallel): the same true gradients, also when a
+    second micro-batch accumulates onto the first with other factors, and the batch-norm gradients included."""
+    model, x, y, _ = model_and_batch("resnet20")
+    reference = copy.deepcopy(model)
+    options = AdaptiveOptions(u_min=1e-2, u_max=1e6, use_bound=False)
+    transformed = transform_model(copy.deepcopy(model), options, init_scale=8.0, unscale=unscale)
+    for part, weight in ((slice(0, 2), 1.0), (slice(2, 4), 1e-4)):
+        (F.cross_entropy(transformed(x[part]), y[part]) * weight * 8.0).backward()
+        (F.cross_entropy(reference(x[part]), y[part]) * weight).backward()
+    hooked = any(p._backward_hooks for p in transformed.parameters())
+    assert hooked == (unscale == "per_parameter")
+    assert_same_grads(transformed, grads(reference))
+
+
+class TwoHeads(nn.Module):
+    """Several outputs, one through a parameter-owning module after the last Linear (a LayerNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), self.norm(h)
+
+
+def test_a_model_with_several_outputs_accumulates_unscaled_gradients():
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    reference = copy.deepcopy(model)
+    scaler = LossScaler(model, "adaptive", u_min=1e-2, u_max=1e6, init_scale=8.0)
+    assert scaler.model.adaloss.output is None and scaler.model.adaloss.start is not None
+    for seed in (1, 2):  # two micro-batches: the second's gradients arrive onto the first's
+        x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        logits, features = scaler.model(x)
+        scaler.scale(logits.pow(2).sum() + features.pow(3).sum()).backward()
+        logits, features = reference(x)
+        (logits.pow(2).sum() + features.pow(3).sum()).backward()
+    assert scaler.model.norm.weight.grad is not None
     assert_same_grads(scaler.model, grads(reference))
 
 

@@ -119,3 +119,27 @@ def test_describe_model():
     text = describe_model(_build("resnet20", (3, 32, 32), 10, width=16))
     assert text.startswith("CifarResNet-20: ")
     assert "parameters" in text and "\n" not in text
+
+
+def test_mixed_precision_forward_runs_tied_weights_in_float16_and_sums_their_gradients():
+    from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+            self.second.weight = self.first.weight
+
+        def forward(self, x):
+            self.seen = (self.first.weight.dtype, self.second.weight.dtype)
+            return self.second(torch.relu(self.first(x)))
+
+    torch.manual_seed(0)
+    model, x = Tied(), torch.randn(3, 4)
+    reference = Tied()
+    reference.load_state_dict(model.state_dict())
+    MixedPrecisionForward(model, "float16")(model, x).sum().backward()
+    assert model.seen == (torch.float16, torch.float16)  # both names cast, none left in float32
+    assert model.first.weight.dtype == torch.float32  # the master weight is untouched
+    reference.half()(x.half()).float().sum().backward()
+    torch.testing.assert_close(model.first.weight.grad, reference.first.weight.grad.float(), rtol=1e-3, atol=1e-3)

@@ -22,7 +22,8 @@ import numpy as np
 
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
-    "element_wise_extremes", "linear_fan", "magnitude_stats", "nonzero_abs_min", "ops_for", "second_moment", "underflow_fraction", "underflow_k",
+    "element_wise_extremes", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for", "underflow_fraction",
+    "underflow_k",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -91,7 +92,7 @@ def conv_fan(out_channels: int, kernel_size: int | Sequence[int], groups: int = 
     return out_channels // groups * math.prod(kernel)
 
 
-_CONSTANTS: dict[tuple[str, str, float], Any] = {}
+_CONSTANTS: dict[tuple[str, str], dict[float, Any]] = {}  # (namespace, device) -> value -> constant
 # The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
 # functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
 _NATIVE = {"array_api_compat.numpy": "numpy", "array_api_compat.torch": "torch", "array_api_compat.cupy": "cupy"}
@@ -115,19 +116,29 @@ class Float32Ops:
         self.xp = array_api_compat.array_namespace(*arrays)
         self.device = array_api_compat.device(arrays[0])
         self._numpy = array_api_compat.is_numpy_namespace(self.xp)
-        native = _native_namespace(self.xp)
+        self.is_torch = array_api_compat.is_torch_namespace(self.xp)
+        self.native = native = _native_namespace(self.xp)
         self.maximum, self.minimum, self.where = native.maximum, native.minimum, native.where
+        self._constants = _CONSTANTS.setdefault((self.xp.__name__, str(self.device)), {})
 
     def const(self, value: float) -> Any:
         """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
         a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
-        key = (self.xp.__name__, str(self.device), value)
-        cached = _CONSTANTS.get(key)
+        cached = self._constants.get(value)
         if cached is None:
             cached = np.float32(value) if self._numpy else self.xp.full((), value, dtype=self.xp.float32,
                                                                         device=self.device)
-            _CONSTANTS[key] = cached
+            self._constants[value] = cached
         return cached
+
+    def keep_bits(self, x: Any, mask: int) -> Any:
+        """A float32 array with only the bits of each element that ``mask`` (a signed 32-bit integer) has set."""
+        x = self.f32(x)
+        if self.is_torch:
+            return self.native.bitwise_and(x.view(self.native.int32), mask).view(self.native.float32)
+        # NumPy/CuPy: an int32 mask, or NumPy 1.x's value-based casting widens the result to int64.
+        bits = np.asarray(x).view(np.int32) if self._numpy else x.view(self.native.int32)
+        return self.native.asarray(bits & np.int32(mask)).view(self.native.float32)
 
     def f32(self, x: Any) -> Any:
         """x as float32 (no copy when it already is)."""
@@ -195,25 +206,26 @@ def _reduce_axes(x: Any, axis: int | None) -> tuple[int, ...] | None:
     return tuple(i for i in range(x.ndim) if i != keep)
 
 
-def second_moment(ops: Float32Ops, x: Any) -> Any:
-    """E[x^2] over all elements, in float32 (population, about zero, as the reference's sigma^2 + mu^2)."""
-    x = ops.f32(x)
-    return ops.xp.mean(x * x)
-
-
 def abs_max(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
     """max |x| in float32, over all elements or per index of ``axis``. NaN propagates."""
     return ops.xp.max(ops.xp.abs(ops.f32(x)), axis=_reduce_axes(x, axis))
 
 
-def magnitude_stats(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
-    """(sum of x^2, max |x|) over all elements in float32, from one float32 copy of x (NaN propagates).
+def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
+    """(sqrt(sum of x^2), max |x|) over all elements, in float32; NaN propagates.
 
-    The sum is an inner product: one reading pass, no squared temporary.
+    On torch these are two fused reductions over x as it is (float32 accumulation for the norm, float64 for float64
+    input; the extremes of an fp16 array are exact in fp16), with no float32 copy and no squared temporary: on large activations such
+    temporaries cost more than the reductions. Elsewhere one float32 copy, an inner product and a max.
     """
+    if ops.is_torch:
+        torch = ops.native
+        lo, hi = torch.aminmax(x)
+        norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
+        return norm.float(), torch.maximum(hi, -lo).float()
     xp = ops.xp
     flat = xp.reshape(ops.f32(x), (-1,))
-    return flat @ flat, xp.max(xp.abs(flat))
+    return xp.sqrt(flat @ flat), xp.max(xp.abs(flat))
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:

@@ -48,6 +48,9 @@ class MixedPrecisionForward:
         """Forward ``x`` through ``model`` in the compute dtype; the logits come back as float32."""
         if not self.is_mixed:
             return model(x)
-        params = {name: p if name in self._keep else p.to(self.dtype) for name, p in model.named_parameters()}
-        out = functional_call(model, params, (x.to(self.dtype),), strict=False)
+        # Every name of every parameter, so tied weights need no untying pass over the module tree (which cost more
+        # than the casts on small models).
+        params = {name: p if name in self._keep else p.to(self.dtype)
+                  for name, p in model.named_parameters(remove_duplicate=False)}
+        out = functional_call(model, params, (x.to(self.dtype),), strict=False, tie_weights=False)
         return out.float()

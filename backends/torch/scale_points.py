@@ -15,15 +15,21 @@ writes, so at run time nodes only index the table: no device-to-host read anywhe
 - :class:`OutputPoint` sits at the model output: the loss gradient arrives in float32, and before it is cast to the
   model's dtype (where the first underflow would happen) it gets a factor of its own, chosen exactly from its
   extremes. The layers' accumulated cap counts from this scale (the *origin*).
-- Parameter gradients are divided by the A of the gradient they came from, by hooks registered in the transform.
+- Parameter gradients are divided by the A of the gradient they came from. By default that happens once, when the
+  backward pass finishes (:meth:`ScaleState.begin_backward`): one multi-tensor division per slot, in place, instead
+  of a Python hook per parameter (whose call and the copy it forces cost more than the rest of a reused step). With
+  data-parallel training, DistributedDataParallel reads each gradient during backward, so the transform registers
+  per-parameter hooks instead (``transform.hook_parameters_of``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
 from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
@@ -50,6 +56,12 @@ class ScaleState(nn.Module, ScaleSchedule):
         self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
         self.table.fill_(init_scale)
         self.note_origin_scale(init_scale)
+        #: Each parameter and the slot of the scale its gradient carries: its gradient is divided by that scale when
+        #: a backward pass ends. Empty when per-parameter hooks do that, or nothing does (measure-only).
+        self.param_slots: list[tuple[nn.Parameter, int]] = []
+        self._backward_task: int | None = None
+        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._divisors: tuple[tuple[int, int], list[torch.Tensor]] = ((0, 0), [])
 
     def _apply(self, fn, *args, **kwargs):
         """Moves with the model, but the scales stay float32 even when the model is cast to half."""
@@ -63,6 +75,47 @@ class ScaleState(nn.Module, ScaleSchedule):
         """The scale of the gradient arriving from the loss (slot 0)."""
         self.table[0] = scale
         self.note_origin_scale(scale)
+
+    def begin_backward(self) -> None:
+        """Called by the transformed model's nodes in backward; the first call of a backward pass prepares the
+        parameter gradients of :attr:`param_slots` to be unscaled when the pass ends.
+
+        Gradients accumulated by earlier passes (micro-batches) are already unscaled; they are held aside, so this
+        pass's gradients arrive alone, scaled, and are unscaled before the held ones are added back. The model
+        output's node runs before any parameter of the model gets its gradient, so nothing is missed.
+        """
+        if not self.param_slots:
+            return
+        task = torch._C._current_graph_task_id()
+        if task in (self._backward_task, -1):  # -1: called outside a backward pass (a direct call in a test)
+            return
+        self._backward_task = task
+        self._held = [(p, p.grad) for p, _ in self.param_slots if p.grad is not None]
+        for p, _ in self._held:
+            p.grad = None
+        Variable._execution_engine.queue_callback(self._unscale_parameter_grads)
+
+    def _unscale_parameter_grads(self) -> None:
+        """End of a backward pass: divide the new gradients by their scales (one multi-tensor call), add back the
+        held ones."""
+        grads, divisors = [], []
+        for (p, _), divisor in zip(self.param_slots, self._param_divisors()):
+            if p.grad is not None:
+                grads.append(p.grad)
+                divisors.append(divisor)
+        if grads:
+            torch._foreach_div_(grads, divisors)
+        for p, held in self._held:
+            p.grad = held if p.grad is None else p.grad.add_(held)
+        self._held = []
+
+    def _param_divisors(self) -> list[torch.Tensor]:
+        """One 0-d view of the scale table per entry of :attr:`param_slots`, made again when the table is replaced
+        (moved, copied)."""
+        key = (id(self.table), self.table.data_ptr())
+        if self._divisors[0] != key:
+            self._divisors = (key, [self.table[slot] for _, slot in self.param_slots])
+        return self._divisors[1]
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
@@ -82,23 +135,12 @@ def _state_ref(module: nn.Module, state: ScaleState) -> None:
     object.__setattr__(module, "state", state)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies gy by the layer's factor."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, weight: torch.Tensor, point: "ScaleOutput") -> torch.Tensor:
-        ctx.point = point
-        ctx.save_for_backward(weight.detach())
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        return ctx.point.scale_gradient(gy, weight), None, None
-
-
 class ScaleOutput(nn.Module):
-    """After a Linear/Conv layer: scales the layer's output gradient by its adaptive factor in backward."""
+    """After a Linear/Conv layer: scales the layer's output gradient by its adaptive factor in backward.
+
+    A pre-hook on the layer's backward node rather than an autograd Function: it needs no node, context or saved
+    tensors of its own, and Python on the backward path is most of what adaptive scaling costs a small model.
+    """
 
     def __init__(self, state: ScaleState, index: int, name: str, kind: str, fan: int, axes: tuple[int, int],
                  layer: nn.Module) -> None:
@@ -109,15 +151,26 @@ class ScaleOutput(nn.Module):
         self.in_slot = self.out_slot = 0  # fixed by the transform
 
     def forward(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _ScaleGrad.apply(y, weight, self)
+        if y.grad_fn is not None:  # the layer's own backward node: its input y.output_nr is gy
+            y.grad_fn.register_prehook(functools.partial(self._prehook, weight=weight, index=y.output_nr))
+        return y
+
+    def _prehook(self, grad_outputs: tuple, weight: torch.Tensor, index: int) -> tuple:
+        if len(grad_outputs) == 1:
+            return (self.scale_gradient(grad_outputs[0], weight),)
+        grads = list(grad_outputs)
+        grads[index] = self.scale_gradient(grads[index], weight)
+        return tuple(grads)
 
     def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
-        if self.state.reference_pass:
+        state = self.state
+        if state.reference_pass:
             return gy
-        factor = layer_scale_step(self.state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
-                                  self.axes)
-        return gy if factor is None else gy * factor.to(gy.dtype)
+        state.begin_backward()
+        factor = layer_scale_step(state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan, self.axes)
+        # A 0-d float32 factor keeps gy's dtype; the product is formed in float32 and rounded once.
+        return gy if factor is None else gy * factor
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
@@ -198,35 +251,26 @@ class BranchPoint(nn.Module):
             return None
         if state.reference_pass:
             return _sum([g for g, _ in present])
+        state.begin_backward()
         tensors = [g for g, _ in present]
         multipliers = branch_scale_step(state, self.in_slot, tensors, [slot for _, slot in present], self.common)
         if multipliers is None:
             return _sum(tensors)
-        total = tensors[0] * multipliers[0].to(tensors[0].dtype)
+        total = tensors[0] * multipliers[0]
         for g, m in zip(tensors[1:], multipliers[1:]):
-            total = total + g * m.to(g.dtype)
+            total = total + g * m
         return total
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.fan_out} consumers, slots {self.out_slots}->{self.in_slot}"
 
 
-class _OutputGrad(torch.autograd.Function):
-    """Forward: a low-precision model output as float32. Backward: the loss gradient scaled, then cast back."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, point: "OutputPoint") -> torch.Tensor:
-        ctx.point = point
-        ctx.dtype = y.dtype
-        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.point.scale_gradient(g, ctx.dtype), None
-
-
 class OutputPoint(nn.Module):
-    """At the model output: the first scale point, where the float32 loss gradient meets the model's dtype."""
+    """At the model output: the first scale point, where the float32 loss gradient meets the model's dtype.
+
+    Forward returns a low-precision output as float32; a pre-hook on the cast's backward node scales the loss
+    gradient before autograd casts it back to the model's dtype (where the first underflow would happen).
+    """
 
     name = OUTPUT_RECORD
 
@@ -238,21 +282,61 @@ class OutputPoint(nn.Module):
         self.register_buffer("underflow", torch.full((), float("nan")), persistent=False)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return _OutputGrad.apply(y, self)
+        # A view for float32 output: a backward node of its own, ahead of the last layer's.
+        out = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+        if out.grad_fn is not None:  # the cast's (or view's) own node, with one input
+            out.grad_fn.register_prehook(functools.partial(self._prehook, dtype=y.dtype))
+        return out
 
-    def scale_gradient(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """g (float32, scale A at the loss) -> s * g in ``dtype``; writes A * s to the output slot."""
+    def _prehook(self, grad_outputs: tuple, dtype: torch.dtype) -> tuple | None:
+        scaled = self.scale_gradient(grad_outputs[0], dtype)
+        return None if scaled is None else (scaled,)
+
+    def scale_gradient(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """g (float32, scale A at the loss) -> s * g, still float32 (autograd then casts it to ``dtype``); writes
+        A * s to the output slot. None leaves g as it is."""
         state = self.state
         if state.reference_pass:
-            return g.to(dtype)
+            return None
+        state.begin_backward()
         factor = output_scale_step(state, self.in_slot, 0, g, dtype, self.factor)
-        cast = g.to(dtype) if factor is None else (g * factor).to(dtype)
+        scaled = g if factor is None else g * factor
         if state.recording:
-            self.underflow.copy_(underflow_fraction(cast, g))
-        return cast
+            self.underflow.copy_(underflow_fraction(scaled.to(dtype), g))
+        return None if factor is None else scaled
 
     def extra_repr(self) -> str:
         return f"slots 0->{self.in_slot}"
+
+
+class _StartGrad(torch.autograd.Function):
+    """Identity both ways; its backward opens the pass's parameter-gradient bookkeeping."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: ScaleState) -> torch.Tensor:
+        ctx.state = state
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if not ctx.state.reference_pass:
+            ctx.state.begin_backward()
+        return g, None
+
+
+class BackwardStart(nn.Module):
+    """On every tensor output of a model with several outputs (one output has the :class:`OutputPoint`): its
+    backward runs before that output's producers', so :meth:`ScaleState.begin_backward` precedes every parameter
+    gradient."""
+
+    def __init__(self, state: ScaleState) -> None:
+        super().__init__()
+        _state_ref(self, state)
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return _StartGrad.apply(x, self.state)
+        return x
 
 
 def _sum(tensors: list) -> torch.Tensor:

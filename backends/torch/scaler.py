@@ -32,7 +32,12 @@ from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
 from .scale_points import ScaleState
-from .transform import TransformError, transform_model
+from .transform import UNSCALE_AFTER_BACKWARD, UNSCALE_PER_PARAMETER, TransformError, transform_model
+
+
+def _distributed_initialized() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextmanager
@@ -69,7 +74,10 @@ class LossScaler:
             processes must agree on skipping a step: the overflow flag is all-reduced (any process's overflow skips
             the step everywhere) and the loss given to :meth:`step` averaged, in one collective before the step's
             single host read. Adaptive scales stay per process: parameter gradients leave backward unscaled, so
-            DistributedDataParallel averages true gradients whatever scales each process chose.
+            DistributedDataParallel averages true gradients whatever scales each process chose. (Adaptive
+            unscales each gradient as it is computed when ``process_group`` is given or torch.distributed is
+            initialised with several processes, and in one batch at the end of backward otherwise: build the
+            scaler after ``init_process_group``.)
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
@@ -81,8 +89,11 @@ class LossScaler:
         self._measuring: nn.Module | None = None
         if self.method == "adaptive":
             options_ = AdaptiveOptions.from_config(self.config.adaptive)
+            # DistributedDataParallel averages each gradient during backward, so it must be unscaled by then.
+            unscale = (UNSCALE_PER_PARAMETER if process_group is not None or _distributed_initialized()
+                       else UNSCALE_AFTER_BACKWARD)
             self.model = transform_model(copy.deepcopy(model), options_, init_scale=self.policy.scale,
-                                         passthrough_modules=self._passthrough)
+                                         passthrough_modules=self._passthrough, unscale=unscale)
         else:
             self.model = model
         self.process_group = process_group
@@ -180,7 +191,7 @@ class LossScaler:
         if self._measuring is None:
             try:
                 self._measuring = transform_model(self.model, None, self.policy.scale, self._passthrough,
-                                                  hook_parameters=False)
+                                                  unscale=None)
             except TransformError as err:
                 warnings.warn(f"underflow is not measured: {err}", stacklevel=2)
                 self._measuring = False  # type: ignore[assignment]

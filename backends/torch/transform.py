@@ -1,8 +1,9 @@
 """The torch.fx transform that makes any traceable model carry per-layer loss scales through backward.
 
 It traces the model, puts a scale point around every Linear/Conv1d/2d/3d, a branch point wherever a value has
-several consumers, hooks every parameter gradient to be divided by the scale of the gradient it came from, and
-assigns each gradient edge its static slot in the scale table (see ``scale_points.py``). What it cannot handle it
+several consumers, has every parameter gradient divided by the scale of the gradient it came from (after the
+backward pass, or by per-parameter hooks for data-parallel training), and assigns each gradient edge its static slot
+in the scale table (see ``scale_points.py``). What it cannot handle it
 refuses by name: an untraceable model, a parameter used outside a module, a module called twice, or a
 parameter-owning module type with no handling.
 """
@@ -21,7 +22,13 @@ from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
 from adaloss_cli.errors import UserError
 
-from .scale_points import BranchPoint, MeasureInput, OutputPoint, ScaleOutput, ScaleState
+from .scale_points import BackwardStart, BranchPoint, MeasureInput, OutputPoint, ScaleOutput, ScaleState
+
+#: How a transformed model unscales its parameter gradients: all at once when each backward pass ends (the
+#: default), by a hook on each parameter as its gradient is computed (what DistributedDataParallel needs: it
+#: averages gradients during backward), or not at all (the measure-only model of the global methods).
+UNSCALE_AFTER_BACKWARD = "after_backward"
+UNSCALE_PER_PARAMETER = "per_parameter"
 
 SCALE_POINT_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Modules whose parameter gradients are simply unscaled (no factor of their own): their backward is linear in gy.
@@ -152,11 +159,16 @@ def _insert_scale_points(gm: fx.GraphModule, plan: _Plan, calls: dict[fx.Node, n
         node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
-def _insert_output_point(gm: fx.GraphModule, plan: _Plan) -> None:
-    """Put the output point on a single tensor output (a model returning several keeps the loss's scale)."""
+def _insert_output_point(gm: fx.GraphModule, plan: _Plan, start_points: bool) -> None:
+    """Put the output point on a single tensor output. A model returning several keeps the loss's scale; with
+    ``start_points`` each of its outputs gets a :class:`BackwardStart`."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     value = output.args[0]
     if not isinstance(value, fx.Node):
+        if start_points:
+            gm.adaloss.start = BackwardStart(plan.state)
+            with gm.graph.inserting_before(output):
+                output.args = fx.node.map_arg(output.args, lambda n: gm.graph.call_module("adaloss.start", (n,)))
         return
     point = OutputPoint(plan.state)
     point.in_slot = plan.state.origin_slot = plan.new_slot()
@@ -232,6 +244,8 @@ def _assign_slots(gm: fx.GraphModule, plan: _Plan) -> dict[fx.Node, int]:
             slot[node] = gm.get_submodule(target).in_slot
         elif target == "adaloss.output":
             slot[node] = gm.adaloss.output.in_slot
+        elif target == "adaloss.start":
+            slot[node] = 0
         elif user.op == "output":
             slot[node] = 0
         else:
@@ -245,8 +259,15 @@ def _assign_slots(gm: fx.GraphModule, plan: _Plan) -> dict[fx.Node, int]:
     return slot
 
 
+def _parameters_with_slots(gm: fx.GraphModule) -> list[tuple[nn.Parameter, int]]:
+    """Every parameter of a parameter-owning module call, with the slot of its module's output gradient."""
+    return [(p, index) for module_name, index in gm.adaloss.param_slots
+            for p in gm.get_submodule(module_name).parameters()]
+
+
 def hook_parameters_of(gm: fx.GraphModule) -> None:
-    """Divide each trainable parameter's gradient by the accumulated scale of its module's output gradient.
+    """Divide each trainable parameter's gradient, as it is computed, by the accumulated scale of its module's
+    output gradient (the :data:`UNSCALE_PER_PARAMETER` mode).
 
     Tensor hooks are not copied by ``copy.deepcopy``, so the transformed model re-registers them on its copies
     from ``adaloss.param_slots`` (see :func:`transform_model`).
@@ -274,6 +295,7 @@ class AdalossModules(nn.Module):
         self.measure = nn.ModuleList()
         self.branch = nn.ModuleList()
         self.output: OutputPoint | None = None
+        self.start: BackwardStart | None = None
         self.param_slots: list[tuple[str, int]] = []
 
     def table_text(self) -> str:
@@ -289,13 +311,19 @@ class AdalossModules(nn.Module):
 
 
 def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scale: float = 1.0,
-                    passthrough_modules: Iterable[type] = (), hook_parameters: bool = True) -> fx.GraphModule:
+                    passthrough_modules: Iterable[type] = (),
+                    unscale: str | None = UNSCALE_AFTER_BACKWARD) -> fx.GraphModule:
     """A GraphModule computing the same forward as ``model`` whose backward carries per-layer scales.
 
     ``options`` None builds a measure-only model (all factors 1) for underflow measurement of the global methods;
-    it shares ``model``'s parameters and registers no hooks when ``hook_parameters`` is False. Parameter names and
+    it shares ``model``'s parameters and leaves their gradients alone when ``unscale`` is None. ``unscale`` says
+    when parameter gradients are divided by their scales: :data:`UNSCALE_AFTER_BACKWARD` or
+    :data:`UNSCALE_PER_PARAMETER`. Either way they are unscaled when ``backward()`` returns. Parameter names and
     the state_dict are those of ``model``.
     """
+    if unscale not in (UNSCALE_AFTER_BACKWARD, UNSCALE_PER_PARAMETER, None):
+        raise ValueError(f"unscale must be {UNSCALE_AFTER_BACKWARD!r}, {UNSCALE_PER_PARAMETER!r} or None, "
+                         f"got {unscale!r}")
     gm = _trace(model)
     gm.graph.eliminate_dead_code()  # unused tuple items (`out, _ = lstm(x)`) are not consumers
     _remove_inplace(gm)
@@ -304,7 +332,7 @@ def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scal
     gm.adaloss = AdalossModules(state)
     plan = _Plan(state=state, points=[], branches=[])
     _insert_scale_points(gm, plan, calls)
-    _insert_output_point(gm, plan)
+    _insert_output_point(gm, plan, start_points=unscale == UNSCALE_AFTER_BACKWARD)
     _insert_branches(gm, plan)
     slot = _assign_slots(gm, plan)
     device = next(iter(model.parameters()), torch.empty(0)).device
@@ -316,13 +344,15 @@ def transform_model(model: nn.Module, options: AdaptiveOptions | None, init_scal
                           persistent=False)
     gm.adaloss.to(device)
     gm.adaloss.param_slots = [(node.target, slot[node]) for node in calls]
-    if hook_parameters:
+    if unscale == UNSCALE_AFTER_BACKWARD:
+        state.param_slots = _parameters_with_slots(gm)  # deep copies map these to the copy's parameters
+    elif unscale == UNSCALE_PER_PARAMETER:
         hook_parameters_of(gm)
     gm.graph.lint()
     gm.recompile()
     cls = type(gm)  # fx gives every GraphModule a class of its own, so these touch this model only
     cls.__str__ = lambda self: self.adaloss.table_text() + "\n\n" + fx.GraphModule.__str__(self)
-    if hook_parameters:
+    if unscale == UNSCALE_PER_PARAMETER:
         cls.__deepcopy__ = _deepcopy_with_hooks
     return gm
 
