@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .adaptive_stats import (Float32Ops, abs_max, default_axes, default_range, element_wise_extremes,
-                             nonzero_abs_min, norm_and_abs_max, ops_for, underflow_k)
+from .adaptive_stats import (abs_max_value, default_axes, default_range, element_wise_extremes,
+                             nonzero_abs_min_value, norm_and_abs_max, underflow_k)
+from .array_ops import Float32Ops, ops_for
 
 __all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
            "branch_scale_step", "output_factor", "output_scale_step", "power_of_two_floor", "unbound_factor"]
@@ -75,10 +76,7 @@ class AdaptiveOptions:
 
     def range_for(self, dtype: Any) -> tuple[float, float]:
         """(u_min, u_max): the user's values, else the defaults of ``dtype``."""
-        if self.u_min is not None and self.u_max is not None:
-            return self.u_min, self.u_max
-        lo, hi = default_range(dtype)
-        return (lo if self.u_min is None else self.u_min), (hi if self.u_max is None else self.u_max)
+        return _range_for(self, dtype)
 
     @property
     def k(self) -> float:
@@ -91,51 +89,63 @@ def _k(n_uf: float) -> float:
     return underflow_k(n_uf)
 
 
-# Each method returns (s, ok): the unbound factor and whether its statistics were usable (None: s itself tells, as
-# unbound_factor rejects any s that is not positive and finite). approx_range runs every refresh on every layer,
-# mostly on 0-d arrays, so it is written with as few array operations as the rule allows.
+@functools.lru_cache(maxsize=64)  # called on every layer of every refresh; naming a dtype is slow
+def _range_for(opts: AdaptiveOptions, dtype: Any) -> tuple[float, float]:
+    if opts.u_min is not None and opts.u_max is not None:
+        return opts.u_min, opts.u_max
+    lo, hi = default_range(dtype)
+    return (lo if opts.u_min is None else opts.u_min), (hi if opts.u_max is None else opts.u_max)
+
+
+# Each method takes the statistics of gy and W on their device (ops) and finishes in ops.scalars (sops: 0-d device
+# arrays, or float32 scalars on the host, see array_ops); it returns (s, ok): the unbound factor and whether its
+# statistics were usable (None: s itself tells, as _unbound_factor rejects any s that is not positive and finite).
 def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                   u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
-    xp, c = ops.xp, ops.const
+    sops = ops.scalars
+    c = sops.const
     norm_gy, g_max = norm_and_abs_max(ops, gy)
     norm_w, w_max = norm_and_abs_max(ops, w)
     # sigma = sqrt(fan / 2 * E[gy^2] * E[W^2]) = |gy| |W| sqrt(fan / 2 / n), from the norms (the product of the sums
     # of squares can underflow), so u_min / (k * sigma) = (u_min / (k * sqrt(fan / 2 / n))) / (|gy| |W|).
     # max over {gy_min, gy_max} x {w_min, w_max} of |a * b| is max|gy| * max|W|.
     n = math.prod(gy.shape) * math.prod(w.shape)
-    lower = ops.maximum(c(u_min / opts.k / math.sqrt(fan / 2.0 / n)) / (norm_gy * norm_w), c(1.0))
+    lower = sops.maximum(c(u_min / opts.k / math.sqrt(fan / 2.0 / n)) / (norm_gy * norm_w), c(1.0))
     # No check needed here: a NaN in gy or W makes s NaN; an Inf makes max|gy| max|W| infinite, so s = 0; an all-zero
-    # gy or W makes both products zero, so s = +inf. unbound_factor turns all three into 1. (Float32 inputs beyond
+    # gy or W makes both products zero, so s = +inf. _unbound_factor turns all three into 1. (Float32 inputs beyond
     # ~1e19, whose squares overflow, or below ~1e-23, whose squares underflow, leave s = the upper bound: still safe.)
-    return ops.minimum(lower, c(u_max / fan) / (g_max * w_max)), None
+    return sops.minimum(lower, c(u_max / fan) / (g_max * w_max)), None
 
 
 def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
-    xp, c = ops.xp, ops.const
-    g_hi, w_hi = abs_max(ops, gy), abs_max(ops, w)
-    ok = xp.logical_and(xp.isfinite(g_hi), xp.isfinite(w_hi))
-    o_min = xp.maximum(nonzero_abs_min(ops, gy) * nonzero_abs_min(ops, w), c(_ABS_RANGE_O_MIN_FLOOR))
+    sops = ops.scalars
+    c = sops.const
+    g_hi, w_hi = abs_max_value(ops, gy), abs_max_value(ops, w)
+    g_lo, w_lo = nonzero_abs_min_value(ops, gy), nonzero_abs_min_value(ops, w)
+    ok = sops.logical_and(sops.isfinite(g_hi), sops.isfinite(w_hi))
+    o_min = sops.maximum(g_lo * w_lo, c(_ABS_RANGE_O_MIN_FLOOR))
     o_max = g_hi * w_hi
-    lower = xp.maximum(c(u_min / fan) / o_min, c(1.0))  # o_min = +inf when empty: lower = 1
-    upper = ops.safe_div(c(u_max / fan), o_max, math.inf)
-    return xp.where(o_max > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+    lower = sops.maximum(c(u_min / fan) / o_min, c(1.0))  # o_min = +inf when empty: lower = 1
+    upper = sops.safe_div(c(u_max / fan), o_max, math.inf)
+    return sops.where(o_max > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
 def _element_wise_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                         u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
-    xp, c = ops.xp, ops.const
-    lo, hi = element_wise_extremes(gy, w, default_axes(gy, w) if axes is None else axes)
-    ok = xp.logical_and(xp.isfinite(hi), xp.logical_not(xp.isnan(lo)))
+    sops = ops.scalars
+    c = sops.const
+    lo, hi = (ops.scalar(v) for v in element_wise_extremes(gy, w, default_axes(gy, w) if axes is None else axes))
+    ok = sops.logical_and(sops.isfinite(hi), sops.logical_not(sops.isnan(lo)))
     # As the reference: lift every product above u_min, and keep a sum of fan products below u_max.
-    lower = xp.maximum(ops.safe_div(c(u_min), lo, math.inf), c(1.0))
-    upper = ops.safe_div(c(u_max / fan), hi, math.inf)
-    return xp.where(hi > c(0.0), xp.minimum(lower, upper), c(1.0)), ok
+    lower = sops.maximum(sops.safe_div(c(u_min), lo, math.inf), c(1.0))
+    upper = sops.safe_div(c(u_max / fan), hi, math.inf)
+    return sops.where(hi > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
 def _fixed(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
            u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
-    return ops.const(opts.fixed_loss_scale), ops.xp.isfinite(ops.const(1.0))
+    return ops.scalars.const(opts.fixed_loss_scale), None
 
 
 _UNBOUND: dict[str, Callable[..., tuple[Any, Any]]] = {
@@ -156,22 +166,20 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
     an all-zero gy or W, or an empty array give s = 1.
     """
     ops = ops_for(gy)
+    return ops.from_scalar(_unbound_factor(ops, gy, w, fan, opts, axes))
+
+
+def _unbound_factor(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions, axes: Any) -> Any:
+    sops = ops.scalars
     if fan < 1:
         raise ValueError(f"fan must be >= 1, got {fan}")
     if math.prod(gy.shape) == 0 or math.prod(w.shape) == 0:
-        return ops.array(ops.const(1.0))
+        return sops.const(1.0)
     u_min, u_max = opts.range_for(gy.dtype)
-    with ops.quiet():
+    with sops.quiet(), ops.quiet():
         s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
-        usable = ops.positive_finite(s) if ok is None else ok & ops.positive_finite(s)
-        return ops.array(ops.where(usable, s, ops.const(1.0)))
-
-
-def _as_f32(ops: Float32Ops, value: Any) -> Any:
-    """A scale given as a Python number or as an array, as float32 on ops' device."""
-    if isinstance(value, (int, float)):
-        return ops.const(float(value))
-    return ops.f32(value)
+        usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
+        return sops.where(usable, s, sops.const(1.0))
 
 
 def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
@@ -181,15 +189,15 @@ def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
     """
     ops = ops_for(s)
-    with ops.quiet():
-        return ops.array(_bound(ops, ops.f32(s), _as_f32(ops, accum_scale), opts))
+    with ops.scalars.quiet():
+        return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), ops.scalar(accum_scale), opts))
 
 
-def _bound(ops: Float32Ops, s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
+def _bound(sops: Any, s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     if opts.method == "approx_range" and opts.use_bound:
-        cap = ops.const(opts.accum_upper_bound) / accum_scale
-        s = ops.minimum(ops.minimum(s, cap), ops.const(opts.scale_upper_bound))
-    return _floor_power_of_two(ops, s) if opts.power_of_two else s
+        cap = sops.const(opts.accum_upper_bound) / accum_scale
+        s = sops.minimum(sops.minimum(s, cap), sops.const(opts.scale_upper_bound))
+    return _floor_power_of_two(sops, s) if opts.power_of_two else s
 
 
 def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOptions,
@@ -206,7 +214,8 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     ``origin_slot``. Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations (reuses
     it otherwise), caps the scale the layers created counting from the output point's scale, and writes A * s to
     ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the stored
-    s. Returns s, or None in measure-only mode (where the scale passes through unchanged).
+    s. Returns s (a 0-d device array, or a float32 scalar for NumPy arrays), or None in measure-only mode (where the
+    scale passes through unchanged).
     """
     if state.reuse:
         return state.factor[index]
@@ -217,16 +226,17 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
         return None
     opts = state.options
     ops = ops_for(gy)
-    with ops.quiet():
+    sops = ops.scalars
+    with sops.quiet():
         if state.refresh:
-            unbound = unbound_factor(gy, weight, fan, opts, axes)
+            unbound = _unbound_factor(ops, gy, weight, fan, opts, axes)
             state.unbound[index] = unbound
         else:
             unbound = state.unbound[index]
-        factor = _bound(ops, unbound, accum / table[state.origin_slot], opts)
+        factor = _bound(sops, unbound, accum / table[state.origin_slot], opts)
         state.factor[index] = factor
         table[in_slot] = accum * factor
-    return ops.array(factor)
+    return factor
 
 
 def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
@@ -242,7 +252,8 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     if state.reuse:
         return [cache / a for a in scales]
     if state.refresh:
-        common, multipliers = branch_common_scale(grads, scales, state.options.range_for(grads[0].dtype)[1])
+        common, multipliers = _branch_common_scale(ops_for(grads[0]), grads, scales,
+                                                   state.options.range_for(grads[0].dtype)[1])
         cache[...] = common
     else:
         multipliers = [cache / a for a in scales]
@@ -260,7 +271,7 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        cache[...] = output_factor(g, target_dtype, state.options)
+        cache[...] = _output_factor(ops_for(g), g, target_dtype, state.options)
     table[in_slot] = table[out_slot] * cache
     return cache
 
@@ -274,21 +285,25 @@ def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
     down. Power of two when ``power_of_two``; 1 for an all-zero or non-finite g.
     """
     ops = ops_for(g)
-    xp, c = ops.xp, ops.const
+    return ops.from_scalar(_output_factor(ops, g, target_dtype, opts))
+
+
+def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
+    sops = ops.scalars
+    c = sops.const
     if math.prod(g.shape) == 0:
-        return ops.array(c(1.0))
+        return c(1.0)
     u_min, u_max = opts.range_for(target_dtype)
-    with ops.quiet():
-        mag = xp.abs(ops.f32(g))
-        lo = xp.min(ops.where(mag == c(0.0), c(math.inf), mag))
-        lift = ops.maximum(c(u_min) / lo, c(1.0))
-        s = ops.minimum(lift, c(u_max / opts.accum_upper_bound) / xp.max(mag))
-        s = ops.where(ops.positive_finite(s), s, c(1.0))
-        return ops.array(_floor_power_of_two(ops, s) if opts.power_of_two else s)
+    with sops.quiet(), ops.quiet():
+        lo, hi = nonzero_abs_min_value(ops, g), abs_max_value(ops, g)
+        lift = sops.maximum(c(u_min) / lo, c(1.0))
+        s = sops.minimum(lift, c(u_max / opts.accum_upper_bound) / hi)
+        s = sops.where(sops.positive_finite(s), s, c(1.0))
+        return _floor_power_of_two(sops, s) if opts.power_of_two else s
 
 
 def power_of_two_floor(s: Any) -> Any:
-    """2**floor(log2(s)) for positive finite s, exactly (as float32); other values pass through."""
+    """2**floor(log2(s)) for positive finite s, exactly (as float32), elementwise; other values pass through."""
     ops = ops_for(s)
     s = ops.array(s)
     with ops.quiet():
@@ -296,7 +311,7 @@ def power_of_two_floor(s: Any) -> Any:
     return ops.where(ops.positive_finite(p), p, s)
 
 
-def _floor_power_of_two(ops: Float32Ops, s: Any) -> Any:
+def _floor_power_of_two(ops: Any, s: Any) -> Any:
     """2**floor(log2(s)) for normal float32 s > 0, exactly: s with its mantissa bits cleared (one operation, where
     log2, floor and pow took five on every layer). 0 and +inf stay; a subnormal s gives 0, NaN gives +inf, and a
     negative s a negative power of two (the public :func:`power_of_two_floor` passes those through unchanged)."""
@@ -314,20 +329,25 @@ def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: floa
     if not grads or len(grads) != len(scales):
         raise ValueError(f"need one scale per gradient, got {len(grads)} gradients and {len(scales)} scales")
     ops = Float32Ops(*grads)
-    xp, c = ops.xp, ops.const
-    a = [_as_f32(ops, value) for value in scales]
+    common, multipliers = _branch_common_scale(ops, grads, [ops.scalar(a) for a in scales], u_max)
+    return ops.from_scalar(common), [ops.from_scalar(m) for m in multipliers]
+
+
+def _branch_common_scale(ops: Float32Ops, grads: Sequence[Any], a: Sequence[Any], u_max: float) -> tuple[Any, list]:
+    sops = ops.scalars
+    c = sops.const
     limit = c(u_max)
-    with ops.quiet():
-        m = functools.reduce(xp.maximum, [abs_max(ops, g) / a_i for g, a_i in zip(grads, a)])
-        a_max, a_min = functools.reduce(xp.maximum, a), functools.reduce(xp.minimum, a)
-        best = functools.reduce(xp.maximum, [xp.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
+    with sops.quiet(), ops.quiet():
+        m = functools.reduce(sops.maximum, [abs_max_value(ops, g) / a_i for g, a_i in zip(grads, a)])
+        a_max, a_min = functools.reduce(sops.maximum, a), functools.reduce(sops.minimum, a)
+        best = functools.reduce(sops.maximum, [sops.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
         fits = best > c(0.0)
         # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below.
         r = m * a_min / limit
-        r = xp.where(xp.logical_and(xp.isfinite(r), r >= c(1.0)), r, c(1.0))
-        halved = a_min / xp.pow(c(2.0), xp.floor(xp.log2(r)) + c(1.0))
-        halved = xp.where(m * halved >= limit, halved * c(0.5), halved)
-        grow = xp.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
-        halved = xp.where(grow, halved * c(2.0), halved)
-        common = xp.where(xp.isfinite(m), xp.where(fits, best, halved), a_max)
-        return ops.array(common), [ops.array(common / a_i) for a_i in a]
+        r = sops.where(sops.logical_and(sops.isfinite(r), r >= c(1.0)), r, c(1.0))
+        halved = a_min / sops.pow(c(2.0), sops.floor(sops.log2(r)) + c(1.0))
+        halved = sops.where(m * halved >= limit, halved * c(0.5), halved)
+        grow = sops.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
+        halved = sops.where(grow, halved * c(2.0), halved)
+        common = sops.where(sops.isfinite(m), sops.where(fits, best, halved), a_max)
+        return common, [common / a_i for a_i in a]

@@ -1,9 +1,10 @@
 """Device-side statistics behind the adaptive per-layer loss-scaling factor (DESIGN.md 2.2).
 
-Everything here is written once against an array namespace (``array_api_compat``), so the same code runs on NumPy
-and CuPy arrays (Chainer) and on torch tensors (CPU or CUDA). No function reads a value back to the host: branches
-are ``where``/``maximum``/``minimum``, results are 0-d float32 arrays on the input's device. Only shapes, dtypes and
-Python-side options steer control flow.
+Everything here is written once against an array namespace (``array_api_compat``, through
+:class:`~.array_ops.Float32Ops`), so the same code runs on NumPy and CuPy arrays (Chainer) and on torch tensors (CPU
+or CUDA). No function reads a device value back to the host: branches are ``where``/``maximum``/``minimum``, results
+are float32 arrays on the input's device (:func:`norm_and_abs_max` returns its two numbers in the form the factor
+math continues in, see ``array_ops``). Only shapes, dtypes and Python-side options steer control flow.
 
 Statistics are taken in float32 whatever the input dtype, so fp16 inputs neither overflow when squared nor lose
 their subnormals. A product of two non-zero fp16 values is never zero in float32 (the smallest is 2**-48).
@@ -11,19 +12,15 @@ their subnormals. A product of two non-zero fp16 values is never zero in float32
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import math
-import threading
 from typing import Any, Sequence
 
-import array_api_compat
-import numpy as np
+from .array_ops import Float32Ops, ops_for
 
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
     "element_wise_extremes", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for", "underflow_fraction",
-    "underflow_k",
+    "underflow_k", "abs_max_value", "nonzero_abs_min_value",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -92,108 +89,6 @@ def conv_fan(out_channels: int, kernel_size: int | Sequence[int], groups: int = 
     return out_channels // groups * math.prod(kernel)
 
 
-_CONSTANTS: dict[tuple[str, str], dict[float, Any]] = {}  # (namespace, device) -> value -> constant
-# The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
-# functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
-_NATIVE = {"array_api_compat.numpy": "numpy", "array_api_compat.torch": "torch", "array_api_compat.cupy": "cupy"}
-
-
-def _native_namespace(xp: Any) -> Any:
-    name = _NATIVE.get(xp.__name__)
-    return importlib.import_module(name) if name else xp
-
-
-class Float32Ops:
-    """The namespace and device of some arrays, and float32 constants on that device.
-
-    Constants are made so that no host-to-device copy happens: NumPy gets ``np.float32`` scalars (which keep
-    float32 under NumPy 1.x's value-based casting), other namespaces a 0-d array filled on the device.
-    ``maximum``, ``minimum`` and ``where`` are the underlying library's own, for float32 arrays only: the factor
-    math is a few dozen operations on 0-d arrays per layer, where wrapper overhead would dominate.
-    """
-
-    def __init__(self, *arrays: Any):
-        self.xp = array_api_compat.array_namespace(*arrays)
-        self.device = array_api_compat.device(arrays[0])
-        self._numpy = array_api_compat.is_numpy_namespace(self.xp)
-        self.is_torch = array_api_compat.is_torch_namespace(self.xp)
-        self.native = native = _native_namespace(self.xp)
-        self.maximum, self.minimum, self.where = native.maximum, native.minimum, native.where
-        self._constants = _CONSTANTS.setdefault((self.xp.__name__, str(self.device)), {})
-
-    def const(self, value: float) -> Any:
-        """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
-        a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
-        cached = self._constants.get(value)
-        if cached is None:
-            cached = np.float32(value) if self._numpy else self.xp.full((), value, dtype=self.xp.float32,
-                                                                        device=self.device)
-            self._constants[value] = cached
-        return cached
-
-    def keep_bits(self, x: Any, mask: int) -> Any:
-        """A float32 array with only the bits of each element that ``mask`` (a signed 32-bit integer) has set."""
-        x = self.f32(x)
-        if self.is_torch:
-            return self.native.bitwise_and(x.view(self.native.int32), mask).view(self.native.float32)
-        # NumPy/CuPy: an int32 mask, or NumPy 1.x's value-based casting widens the result to int64.
-        bits = np.asarray(x).view(np.int32) if self._numpy else x.view(self.native.int32)
-        return self.native.asarray(bits & np.int32(mask)).view(self.native.float32)
-
-    def f32(self, x: Any) -> Any:
-        """x as float32 (no copy when it already is)."""
-        if x.dtype == self.xp.float32:
-            return x
-        return self.xp.astype(x, self.xp.float32)
-
-    def array(self, x: Any) -> Any:
-        """x as a float32 array: NumPy reductions return scalars, callers get (0-d) arrays."""
-        return np.asarray(self.f32(x)) if self._numpy else self.f32(x)
-
-    def positive_finite(self, x: Any) -> Any:
-        """0 < x < inf, elementwise: False for 0, inf and NaN (two comparisons, where isfinite costs several ops)."""
-        return (x > self.const(0.0)) & (x < self.const(math.inf))
-
-    def quiet(self) -> Any:
-        """Silence NumPy's floating-point warnings: non-finite inputs are handled by ``where``, not by warnings."""
-        return _NumpyQuiet() if self._numpy else contextlib.nullcontext()
-
-    def safe_div(self, num: Any, den: Any, if_zero: float) -> Any:
-        """num / den, or if_zero where den == 0, without a division by zero."""
-        zero = den == self.const(0.0)
-        return self.where(zero, self.const(if_zero), num / self.where(zero, self.const(1.0), den))
-
-
-class _NumpyQuiet:
-    """``np.errstate(all="ignore")`` that costs nothing when nested: the factor math enters it several times per
-    layer, and each NumPy errstate change costs more than the arithmetic it guards."""
-
-    _depth = threading.local()
-
-    def __enter__(self) -> None:
-        depth = getattr(self._depth, "n", 0)
-        if depth == 0:
-            self._depth.saved = np.seterr(all="ignore")
-        self._depth.n = depth + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        self._depth.n -= 1
-        if self._depth.n == 0:
-            np.seterr(**self._depth.saved)
-
-
-_OPS: dict[tuple[type, Any], Float32Ops] = {}
-
-
-def ops_for(x: Any) -> Float32Ops:
-    """The :class:`Float32Ops` of x's library and device, made once per (array type, device)."""
-    key = (type(x), getattr(x, "device", None))
-    ops = _OPS.get(key)
-    if ops is None:
-        ops = _OPS[key] = Float32Ops(x)
-    return ops
-
-
 def default_axes(gy: Any, w: Any) -> tuple[int, int]:
     """:data:`LINEAR_AXES` for a 2-d weight, :data:`CONV_AXES` otherwise."""
     return LINEAR_AXES if w.ndim == 2 else CONV_AXES
@@ -212,20 +107,32 @@ def abs_max(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
 
 
 def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
-    """(sqrt(sum of x^2), max |x|) over all elements, in float32; NaN propagates.
+    """(sqrt(sum of x^2), max |x|) over all elements, in float32, as values of ``ops.scalars``; NaN propagates.
 
-    On torch these are two fused reductions over x as it is (float32 accumulation for the norm, float64 for float64
-    input; the extremes of an fp16 array are exact in fp16), with no float32 copy and no squared temporary: on large activations such
-    temporaries cost more than the reductions. Elsewhere one float32 copy, an inner product and a max.
+    No float32 copy of a torch tensor and no |x| temporary anywhere: on large activations such temporaries cost more
+    than the reductions. Torch: a fused norm (float32 accumulation, float64 for float64 input). NumPy/CuPy: an inner
+    product of the float32 values.
     """
     if ops.is_torch:
-        torch = ops.native
-        lo, hi = torch.aminmax(x)
-        norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
-        return norm.float(), torch.maximum(hi, -lo).float()
-    xp = ops.xp
-    flat = xp.reshape(ops.f32(x), (-1,))
-    return xp.sqrt(flat @ flat), xp.max(xp.abs(flat))
+        norm = ops.native.linalg.vector_norm(x, dtype=ops.native.promote_types(x.dtype, ops.native.float32))
+        return norm.float(), abs_max_value(ops, x)
+    flat = ops.native.reshape(ops.f32(x), (-1,))
+    return ops.scalar(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
+
+
+def abs_max_value(ops: Float32Ops, x: Any) -> Any:
+    """max |x| over all elements as a float32 value of ``ops.scalars`` (NaN propagates), from the extremes of x:
+    no |x| temporary, and exact in x's own dtype."""
+    if ops.is_torch:
+        lo, hi = ops.native.aminmax(x)
+        return ops.native.maximum(hi, -lo).float()
+    return ops.scalars.maximum(ops.scalar(x.max()), -ops.scalar(x.min()))
+
+
+def nonzero_abs_min_value(ops: Float32Ops, x: Any) -> Any:
+    """min |x| over the non-zero elements as a float32 value of ``ops.scalars`` (+inf when there are none)."""
+    mag = ops.native.abs(ops.f32(x))
+    return ops.scalar(ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min())
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
