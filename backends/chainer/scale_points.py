@@ -34,12 +34,23 @@ from adaloss_cli.core.scale_schedule import ScaleSchedule
 from ._compat import import_chainer
 
 chainer = import_chainer()
+from chainer.functions.connection.convolution_2d import Convolution2DFunction  # noqa: E402
+from chainer.functions.connection.linear import LinearFunction  # noqa: E402
 
 __all__ = ["ScaleState", "ScalePoint", "BranchPoint", "OutputPoint", "Fork"]
 
 
 def _variable(array: Any) -> "chainer.Variable":
     return chainer.Variable(array, requires_grad=False)
+
+
+_HOST_ARRAYS = (np.generic, np.ndarray)
+
+
+def is_host_one(factor: Any) -> bool:
+    """Whether a factor is known, without a device read, to be 1: then scaling is a no-op and is skipped (float32
+    models on NumPy get factor 1 at almost every layer). CuPy factors are never read on the host."""
+    return isinstance(factor, _HOST_ARRAYS) and float(factor) == 1.0
 
 
 class ScaleState(ScaleSchedule):
@@ -137,7 +148,9 @@ class ScalePoint:
         if self.state.reference_pass:
             return gy
         factor = layer_scale_step(self.state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes)
-        return gy if factor is None else gy * factor.astype(gy.dtype)
+        if factor is None or is_host_one(factor):
+            return gy
+        return gy * factor.astype(gy.dtype)
 
     def observe(self, gx: Any) -> None:
         """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow."""
@@ -153,22 +166,52 @@ class ScalePoint:
         return f"ScalePoint({self.name}: {self.kind}, fan={self.fan}, slot {self.in_slot})"
 
 
-class _ScaleNode(chainer.FunctionNode):
-    """Identity forward; backward multiplies gy by the layer's factor."""
+class _ScaledNode:
+    """Mixin for a layer's own FunctionNode (linear, convolution): its backward first multiplies gy by the layer's
+    factor, then computes the layer's gradients from the scaled gy. One node per layer instead of two: Chainer's
+    per-node cost is a large share of a small model's step."""
 
-    def __init__(self, point: ScalePoint, weight: Any) -> None:
-        super().__init__()
-        self.point, self.weight, self.out_slot = point, weight, 0
-
-    def forward(self, inputs):
-        self.retain_inputs(())
-        return inputs
+    point: ScalePoint
+    out_slot: int
 
     def backward(self, indexes, grad_outputs):
         (gy,) = grad_outputs
-        if gy is None:
-            return (None,)
-        return (_variable(self.point.scale_gradient(gy.array, self.weight, self.out_slot)),)
+        if gy is not None:
+            weight = self.get_retained_inputs()[1].array
+            gy = _variable(self.point.scale_gradient(gy.array, weight, self.out_slot))
+        return super().backward(indexes, (gy,))
+
+
+class _ScaledLinearFunction(_ScaledNode, LinearFunction):
+    def __init__(self, point: ScalePoint) -> None:
+        super().__init__()
+        self.point, self.out_slot = point, 0
+
+
+class _ScaledConvolution2DFunction(_ScaledNode, Convolution2DFunction):
+    def __init__(self, point: ScalePoint, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.point, self.out_slot = point, 0
+
+
+#: The nodes whose backward applies a scale point's factor.
+SCALE_NODES = (_ScaledLinearFunction, _ScaledConvolution2DFunction)
+
+
+def scaled_linear(point: ScalePoint, x: Any, weight: Any, bias: Any, n_batch_axes: int = 1) -> Any:
+    """``F.linear`` whose backward scales gy by ``point``'s factor first (same reshapes as ``F.linear``)."""
+    batch_shape = x.shape[:n_batch_axes]
+    if n_batch_axes > 1 or x.ndim > 2:
+        x = x.reshape(int(np.prod(batch_shape)), -1)
+    args = (x, weight) if bias is None else (x, weight, bias)
+    (y,) = _ScaledLinearFunction(point).apply(args)
+    return y.reshape(batch_shape + (-1,)) if n_batch_axes > 1 else y
+
+
+def scaled_convolution_2d(point: ScalePoint, x: Any, weight: Any, bias: Any, **options: Any) -> Any:
+    """``F.convolution_2d`` whose backward scales gy by ``point``'s factor first."""
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return _ScaledConvolution2DFunction(point, **options).apply(args)[0]
 
 
 class _MeasureNode(chainer.FunctionNode):
@@ -187,11 +230,6 @@ class _MeasureNode(chainer.FunctionNode):
         if gx is not None:
             self.point.observe(gx.array)
         return (gx,)
-
-
-def scale_output(point: ScalePoint, y: "chainer.Variable", weight: Any) -> "chainer.Variable":
-    """y through a scale node of ``point`` (weight: the array the layer multiplied by, in the compute dtype)."""
-    return _ScaleNode(point, weight).apply((y,))[0]
 
 
 def measure_input(point: ScalePoint, x: Any) -> "chainer.Variable":
@@ -289,7 +327,10 @@ class OutputPoint:
         if state.reference_pass:
             return g.astype(dtype)
         factor = output_scale_step(state, self.in_slot, out_slot, g, dtype, state.output_factor)
-        cast = g.astype(dtype) if factor is None else (g * factor).astype(dtype)
+        if factor is None or is_host_one(factor):
+            cast = g.astype(dtype, copy=False)
+        else:
+            cast = (g * factor).astype(dtype, copy=False)
         if state.recording:
             state.output_underflow[...] = underflow_fraction(cast, g)
         return cast

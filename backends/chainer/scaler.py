@@ -28,7 +28,7 @@ from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
 from ._compat import import_chainer
-from .scale_points import output_point
+from .scale_points import is_host_one, output_point
 from .transform import AdalossLinks, route, transform_links
 
 chainer = import_chainer()
@@ -144,7 +144,9 @@ class LossScaler:
                 if slot is None:  # Chainer computed a gradient on a path the routing did not see
                     raise RuntimeError(f"adaloss: parameter {p.name!r} got a gradient that the scale routing did "
                                        "not reach; please report this with the model's code")
-                p.grad /= table[slot]
+                divisor = table[slot]
+                if not is_host_one(divisor):
+                    p.grad /= divisor
             elif inv != 1.0:
                 p.grad *= inv
         for p, grad in stash:

@@ -31,8 +31,8 @@ from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, li
 from adaloss_cli.errors import UserError
 
 from ._compat import import_chainer
-from .scale_points import (BranchPoint, Fork, OutputPoint, ScalePoint, ScaleState, _BranchNode, _MeasureNode,
-                           _OutputNode, _ScaleNode, measure_input, scale_output)
+from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, ScaleState, _BranchNode, _MeasureNode,
+                           _OutputNode, measure_input, scaled_convolution_2d, scaled_linear)
 
 chainer = import_chainer()
 F = chainer.functions
@@ -57,8 +57,9 @@ def _cast(param: "chainer.Parameter", dtype: Any):
     return F.cast(param, dtype)
 
 
-def _scaled_forward(link: Any, x: Any, y_of: Any):
-    """The common forward of a scale point: measure x (recorded steps), compute y, scale node (adaptive)."""
+def _scaled_forward(link: Any, x: Any, plain: Any, scaled: Any):
+    """The common forward of a scale point: measure x (recorded steps), then the layer's own function, whose
+    backward applies the point's factor when adaptive (``scaled``), or the plain one (``plain``)."""
     point: ScalePoint = link.adaloss_point
     state = point.state
     state.called(point.index)
@@ -66,11 +67,10 @@ def _scaled_forward(link: Any, x: Any, y_of: Any):
     if backprop and state.measuring:
         x = measure_input(point, x)
     dtype = x.dtype
-    weight = _cast(link.W, dtype)
-    y = y_of(x, weight, _cast(link.b, dtype))
+    weight, bias = _cast(link.W, dtype), _cast(link.b, dtype)
     if backprop and state.adaptive:
-        y = scale_output(point, y, weight.array)
-    return y
+        return scaled(point, x, weight, bias)
+    return plain(x, weight, bias)
 
 
 class ScaledLinear(L.Linear):
@@ -81,7 +81,8 @@ class ScaledLinear(L.Linear):
     def forward(self, x, n_batch_axes=1):
         if self.W.array is None:
             self._initialize_params(int(np.prod(x.shape[n_batch_axes:])))
-        return _scaled_forward(self, x, lambda x_, w, b: F.linear(x_, w, b, n_batch_axes=n_batch_axes))
+        return _scaled_forward(self, x, lambda x_, w, b: F.linear(x_, w, b, n_batch_axes=n_batch_axes),
+                               lambda p, x_, w, b: scaled_linear(p, x_, w, b, n_batch_axes=n_batch_axes))
 
 
 class ScaledConvolution2D(L.Convolution2D):
@@ -92,8 +93,10 @@ class ScaledConvolution2D(L.Convolution2D):
     def forward(self, x):
         if self.W.array is None:
             self._initialize_params(x.shape[1])
-        return _scaled_forward(self, x, lambda x_, w, b: F.convolution_2d(
-            x_, w, b, self.stride, self.pad, dilate=self.dilate, groups=self.groups, cudnn_fast=self.cudnn_fast))
+        options = dict(stride=self.stride, pad=self.pad, dilate=self.dilate, groups=self.groups,
+                       cudnn_fast=self.cudnn_fast)
+        return _scaled_forward(self, x, lambda x_, w, b: F.convolution_2d(x_, w, b, **options),
+                               lambda p, x_, w, b: scaled_convolution_2d(p, x_, w, b, **options))
 
 
 _SCALED = {L.Linear: ScaledLinear, L.Convolution2D: ScaledConvolution2D}
@@ -217,7 +220,7 @@ def _producer(vnode: Any) -> str:
     creator = vnode.creator_node
     if creator is None:
         return "the model input"
-    if isinstance(creator, _ScaleNode):
+    if isinstance(creator, SCALE_NODES):
         return f"layer '{creator.point.name}'"
     if isinstance(creator, _BranchNode):
         return f"Fork '{creator.point.name}'"
@@ -244,7 +247,7 @@ def route(links: AdalossLinks, loss: "chainer.Variable") -> dict[int, int]:
         _, _, fn = heapq.heappop(heap)
         outs = [ref() for ref in fn.outputs]
         out_slots = [None if o is None else slot_of.get(id(o)) for o in outs]
-        if isinstance(fn, _ScaleNode):
+        if isinstance(fn, SCALE_NODES):
             fn.out_slot = out_slots[0] if out_slots[0] is not None else 0
             if seen_points.setdefault(fn.point.index, fn) is not fn:
                 raise TransformError(
