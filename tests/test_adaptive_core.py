@@ -11,8 +11,9 @@ import torch
 
 from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, branch_common_scale, layer_factor,
                                        power_of_two_floor, unbound_factor)
-from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, conv_fan, default_range, element_wise_extremes,
-                                             linear_fan, underflow_fraction, underflow_k)
+from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, conv_fan, default_range,
+                                             element_wise_extremes, linear_fan, norm_and_abs_max, ops_for,
+                                             underflow_fraction, underflow_k)
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -170,6 +171,23 @@ def test_element_wise_matches_brute_force_linear_and_conv(backend, seed):
         expected = min(max(u_min / lo, 1.0), (u_max / fan) / hi)
         got = unbound_factor(to(backend, gy), to(backend, w), fan, opts, axes)
         assert float(value(got)) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_are_exact_float32_and_propagate_nan(backend):
+    """The reductions every method starts from: fp16 subnormals kept exactly, zeros ignored by the non-zero
+    minimum, +inf when nothing is non-zero, NaN reaching every statistic (so the factor falls back to 1)."""
+    x = np.array([[0.0, -3.0, 2.0 ** -24], [0.5, 0.0, -2.0 ** -20]], np.float16)
+    ops = ops_for(to(backend, x))
+    lo, hi = (float(v) for v in abs_extremes(ops, to(backend, x)))
+    assert (lo, hi) == (2.0 ** -24, 3.0)
+    norm, top = (float(v) for v in norm_and_abs_max(ops, to(backend, x)))
+    assert top == 3.0 and norm == pytest.approx(math.sqrt(9.25 + 2.0 ** -48 + 2.0 ** -40), rel=1e-7)
+    assert [float(v) for v in abs_extremes(ops, to(backend, np.zeros((3, 2), np.float16)))] == [math.inf, 0.0]
+    with_nan = x.copy()
+    with_nan[1, 1] = np.nan
+    assert all(math.isnan(float(v)) for v in (*abs_extremes(ops, to(backend, with_nan)),
+                                               *norm_and_abs_max(ops, to(backend, with_nan))))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .adaptive_stats import (abs_max_value, default_axes, default_range, element_wise_extremes,
-                             nonzero_abs_min_value, norm_and_abs_max, underflow_k)
+from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes,
+                             norm_and_abs_max, underflow_k)
 from .array_ops import Float32Ops, ops_for
 
 __all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
@@ -52,7 +52,9 @@ class AdaptiveOptions:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown adaptive method {self.method!r}; choose from {list(METHODS)}")
-        underflow_k(self.n_uf_threshold)  # validates (0, 1)
+        # Derived values, read on every layer of every refresh (not fields: equality and hashing ignore them).
+        object.__setattr__(self, "_k", underflow_k(self.n_uf_threshold))  # validates (0, 1)
+        object.__setattr__(self, "_ranges", {})
         for name in ("u_min", "u_max"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -76,25 +78,18 @@ class AdaptiveOptions:
 
     def range_for(self, dtype: Any) -> tuple[float, float]:
         """(u_min, u_max): the user's values, else the defaults of ``dtype``."""
-        return _range_for(self, dtype)
+        ranges = self._ranges  # type: ignore[attr-defined]
+        found = ranges.get(dtype)
+        if found is None:
+            lo, hi = (None, None) if self.u_min is not None and self.u_max is not None else default_range(dtype)
+            found = ranges[dtype] = (lo if self.u_min is None else self.u_min,
+                                     hi if self.u_max is None else self.u_max)
+        return found
 
     @property
     def k(self) -> float:
         """sqrt(2) * erfinv(n_uf_threshold)."""
-        return _k(self.n_uf_threshold)
-
-
-@functools.lru_cache(maxsize=16)
-def _k(n_uf: float) -> float:
-    return underflow_k(n_uf)
-
-
-@functools.lru_cache(maxsize=64)  # called on every layer of every refresh; naming a dtype is slow
-def _range_for(opts: AdaptiveOptions, dtype: Any) -> tuple[float, float]:
-    if opts.u_min is not None and opts.u_max is not None:
-        return opts.u_min, opts.u_max
-    lo, hi = default_range(dtype)
-    return (lo if opts.u_min is None else opts.u_min), (hi if opts.u_max is None else opts.u_max)
+        return self._k  # type: ignore[attr-defined]
 
 
 # Each method takes the statistics of gy and W on their device (ops) and finishes in ops.scalars (sops: 0-d device
@@ -121,8 +116,8 @@ def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions
                u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
-    g_hi, w_hi = abs_max_value(ops, gy), abs_max_value(ops, w)
-    g_lo, w_lo = nonzero_abs_min_value(ops, gy), nonzero_abs_min_value(ops, w)
+    g_lo, g_hi = abs_extremes(ops, gy)
+    w_lo, w_hi = abs_extremes(ops, w)
     ok = sops.logical_and(sops.isfinite(g_hi), sops.isfinite(w_hi))
     o_min = sops.maximum(g_lo * w_lo, c(_ABS_RANGE_O_MIN_FLOOR))
     o_max = g_hi * w_hi
@@ -166,9 +161,12 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
     an all-zero gy or W, or an empty array give s = 1.
     """
     ops = ops_for(gy)
-    return ops.from_scalar(_unbound_factor(ops, gy, w, fan, opts, axes))
+    with ops.quiet():
+        return ops.from_scalar(_unbound_factor(ops, gy, w, fan, opts, axes))
 
 
+# The private functions below expect the caller to have entered ``ops.quiet()`` (once per public call: entering it
+# costs more than the arithmetic it guards).
 def _unbound_factor(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions, axes: Any) -> Any:
     sops = ops.scalars
     if fan < 1:
@@ -176,10 +174,9 @@ def _unbound_factor(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOp
     if math.prod(gy.shape) == 0 or math.prod(w.shape) == 0:
         return sops.const(1.0)
     u_min, u_max = opts.range_for(gy.dtype)
-    with sops.quiet(), ops.quiet():
-        s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
-        usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
-        return sops.where(usable, s, sops.const(1.0))
+    s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
+    usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
+    return sops.where(usable, s, sops.const(1.0))
 
 
 def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
@@ -189,7 +186,7 @@ def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
     """
     ops = ops_for(s)
-    with ops.scalars.quiet():
+    with ops.quiet():
         return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), ops.scalar(accum_scale), opts))
 
 
@@ -227,7 +224,7 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     opts = state.options
     ops = ops_for(gy)
     sops = ops.scalars
-    with sops.quiet():
+    with ops.quiet():
         if state.refresh:
             unbound = _unbound_factor(ops, gy, weight, fan, opts, axes)
             state.unbound[index] = unbound
@@ -252,8 +249,9 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     if state.reuse:
         return [cache / a for a in scales]
     if state.refresh:
-        common, multipliers = _branch_common_scale(ops_for(grads[0]), grads, scales,
-                                                   state.options.range_for(grads[0].dtype)[1])
+        ops = ops_for(grads[0])
+        with ops.quiet():
+            common, multipliers = _branch_common_scale(ops, grads, scales, state.options.range_for(grads[0].dtype)[1])
         cache[...] = common
     else:
         multipliers = [cache / a for a in scales]
@@ -271,7 +269,9 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        cache[...] = _output_factor(ops_for(g), g, target_dtype, state.options)
+        ops = ops_for(g)
+        with ops.quiet():
+            cache[...] = _output_factor(ops, g, target_dtype, state.options)
     table[in_slot] = table[out_slot] * cache
     return cache
 
@@ -285,7 +285,8 @@ def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
     down. Power of two when ``power_of_two``; 1 for an all-zero or non-finite g.
     """
     ops = ops_for(g)
-    return ops.from_scalar(_output_factor(ops, g, target_dtype, opts))
+    with ops.quiet():
+        return ops.from_scalar(_output_factor(ops, g, target_dtype, opts))
 
 
 def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
@@ -294,12 +295,11 @@ def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: AdaptiveOpt
     if math.prod(g.shape) == 0:
         return c(1.0)
     u_min, u_max = opts.range_for(target_dtype)
-    with sops.quiet(), ops.quiet():
-        lo, hi = nonzero_abs_min_value(ops, g), abs_max_value(ops, g)
-        lift = sops.maximum(c(u_min) / lo, c(1.0))
-        s = sops.minimum(lift, c(u_max / opts.accum_upper_bound) / hi)
-        s = sops.where(sops.positive_finite(s), s, c(1.0))
-        return _floor_power_of_two(sops, s) if opts.power_of_two else s
+    lo, hi = abs_extremes(ops, g)
+    lift = sops.maximum(c(u_min) / lo, c(1.0))
+    s = sops.minimum(lift, c(u_max / opts.accum_upper_bound) / hi)
+    s = sops.where(sops.positive_finite(s), s, c(1.0))
+    return _floor_power_of_two(sops, s) if opts.power_of_two else s
 
 
 def power_of_two_floor(s: Any) -> Any:
@@ -308,7 +308,7 @@ def power_of_two_floor(s: Any) -> Any:
     s = ops.array(s)
     with ops.quiet():
         p = _floor_power_of_two(ops, s)
-    return ops.where(ops.positive_finite(p), p, s)
+        return ops.where(ops.positive_finite(p), p, s)
 
 
 def _floor_power_of_two(ops: Any, s: Any) -> Any:
@@ -329,7 +329,8 @@ def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: floa
     if not grads or len(grads) != len(scales):
         raise ValueError(f"need one scale per gradient, got {len(grads)} gradients and {len(scales)} scales")
     ops = Float32Ops(*grads)
-    common, multipliers = _branch_common_scale(ops, grads, [ops.scalar(a) for a in scales], u_max)
+    with ops.quiet():
+        common, multipliers = _branch_common_scale(ops, grads, [ops.scalar(a) for a in scales], u_max)
     return ops.from_scalar(common), [ops.from_scalar(m) for m in multipliers]
 
 
@@ -337,17 +338,16 @@ def _branch_common_scale(ops: Float32Ops, grads: Sequence[Any], a: Sequence[Any]
     sops = ops.scalars
     c = sops.const
     limit = c(u_max)
-    with sops.quiet(), ops.quiet():
-        m = functools.reduce(sops.maximum, [abs_max_value(ops, g) / a_i for g, a_i in zip(grads, a)])
-        a_max, a_min = functools.reduce(sops.maximum, a), functools.reduce(sops.minimum, a)
-        best = functools.reduce(sops.maximum, [sops.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
-        fits = best > c(0.0)
-        # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below.
-        r = m * a_min / limit
-        r = sops.where(sops.logical_and(sops.isfinite(r), r >= c(1.0)), r, c(1.0))
-        halved = a_min / sops.pow(c(2.0), sops.floor(sops.log2(r)) + c(1.0))
-        halved = sops.where(m * halved >= limit, halved * c(0.5), halved)
-        grow = sops.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
-        halved = sops.where(grow, halved * c(2.0), halved)
-        common = sops.where(sops.isfinite(m), sops.where(fits, best, halved), a_max)
-        return common, [common / a_i for a_i in a]
+    m = functools.reduce(sops.maximum, [abs_max_value(ops, g) / a_i for g, a_i in zip(grads, a)])
+    a_max, a_min = functools.reduce(sops.maximum, a), functools.reduce(sops.minimum, a)
+    best = functools.reduce(sops.maximum, [sops.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
+    fits = best > c(0.0)
+    # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below.
+    r = m * a_min / limit
+    r = sops.where(sops.logical_and(sops.isfinite(r), r >= c(1.0)), r, c(1.0))
+    halved = a_min / sops.pow(c(2.0), sops.floor(sops.log2(r)) + c(1.0))
+    halved = sops.where(m * halved >= limit, halved * c(0.5), halved)
+    grow = sops.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
+    halved = sops.where(grow, halved * c(2.0), halved)
+    common = sops.where(sops.isfinite(m), sops.where(fits, best, halved), a_max)
+    return common, [common / a_i for a_i in a]

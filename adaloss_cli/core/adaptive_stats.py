@@ -15,12 +15,14 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .array_ops import Float32Ops, ops_for
+import numpy as np
+
+from .array_ops import HOST, Float32Ops, ops_for
 
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
     "element_wise_extremes", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for", "underflow_fraction",
-    "underflow_k", "abs_max_value", "nonzero_abs_min_value",
+    "underflow_k", "abs_extremes", "abs_max_value",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -116,8 +118,10 @@ def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     if ops.is_torch:
         norm = ops.native.linalg.vector_norm(x, dtype=ops.native.promote_types(x.dtype, ops.native.float32))
         return norm.float(), abs_max_value(ops, x)
-    flat = ops.native.reshape(ops.f32(x), (-1,))
-    return ops.scalar(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
+    flat = ops.f32(x).reshape(-1)
+    if ops.host_scalars:  # NumPy: float32 scalars already, straight from the ufuncs (see abs_max_value)
+        return np.sqrt(np.dot(flat, flat)), HOST.maximum(np.maximum.reduce(flat), -np.minimum.reduce(flat))
+    return ops.f32(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
 
 
 def abs_max_value(ops: Float32Ops, x: Any) -> Any:
@@ -126,13 +130,19 @@ def abs_max_value(ops: Float32Ops, x: Any) -> Any:
     if ops.is_torch:
         lo, hi = ops.native.aminmax(x)
         return ops.native.maximum(hi, -lo).float()
-    return ops.scalars.maximum(ops.scalar(x.max()), -ops.scalar(x.min()))
+    if ops.host_scalars:  # the ufuncs themselves: ndarray.max's wrapper costs as much as a small reduction
+        return HOST.maximum(np.float32(np.maximum.reduce(x, axis=None)), -np.float32(np.minimum.reduce(x, axis=None)))
+    return ops.maximum(ops.f32(x.max()), -ops.f32(x.min()))
 
 
-def nonzero_abs_min_value(ops: Float32Ops, x: Any) -> Any:
-    """min |x| over the non-zero elements as a float32 value of ``ops.scalars`` (+inf when there are none)."""
+def abs_extremes(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
+    """(min |x| over the non-zero elements, +inf when there are none; max |x|) as float32 values of
+    ``ops.scalars``, from one |x|. NaN propagates to both."""
     mag = ops.native.abs(ops.f32(x))
-    return ops.scalar(ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min())
+    if ops.host_scalars:  # a masked reduction: no second temporary
+        lo = np.minimum.reduce(mag, axis=None, where=mag != np.float32(0.0), initial=np.float32(math.inf))
+        return np.float32(lo), np.float32(np.maximum.reduce(mag, axis=None))
+    return ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min(), mag.max()
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
