@@ -220,7 +220,7 @@ def time_variants(runners: dict[str, Runner], batches: list, work: Workload, dev
     return times
 
 
-def _paired_ratio(steps: list[float], reference: list[float]) -> float:
+def paired_ratio(steps: list[float], reference: list[float]) -> float:
     """Median over rounds of (this variant's step) / (the reference's step in the same round)."""
     return statistics.median(t / r for t, r in zip(steps, reference))
 
@@ -246,8 +246,8 @@ def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, 
             "repeat_medians_ms": rep_med[name],
         }
         if ref:
-            row["ratio"] = _paired_ratio(flat[name], flat[REFERENCE])
-            ratios = [_paired_ratio(rep, ref_rep) for rep, ref_rep in zip(times[name], ref)]
+            row["ratio"] = paired_ratio(flat[name], flat[REFERENCE])
+            ratios = [paired_ratio(rep, ref_rep) for rep, ref_rep in zip(times[name], ref)]
             row["repeat_ratio_min"], row["repeat_ratio_max"] = min(ratios), max(ratios)
         out[name] = row
     every = out.get("adaptive-1")
