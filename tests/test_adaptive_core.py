@@ -190,6 +190,18 @@ def test_statistics_are_exact_float32_and_propagate_nan(backend):
                                                *norm_and_abs_max(ops, to(backend, with_nan))))
 
 
+def test_torch_cpu_norm_of_a_large_fp16_tensor_is_taken_in_chunks_and_agrees_with_numpy():
+    """On CPU torch widens a norm's whole input first; above CPU_CAST_CHUNK elements the norm is summed from
+    chunks instead (bounded float32 temporaries) and must still give NumPy's float32 result."""
+    from adaloss_cli.core import adaptive_stats
+    x = np.random.default_rng(3).normal(0, 300.0, (7, adaptive_stats.CPU_CAST_CHUNK // 3)).astype(np.float16)
+    assert x.size > adaptive_stats.CPU_CAST_CHUNK
+    got = norm_and_abs_max(ops_for(torch.from_numpy(x)), torch.from_numpy(x))
+    want = norm_and_abs_max(ops_for(x), x)
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6) and float(got[1]) == float(want[1])
+    assert not math.isinf(float(got[0]))  # sum of squares far beyond fp16's range, accumulated in float32
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_abs_range_formula(backend, golden_layer):
     gy, w = golden_layer

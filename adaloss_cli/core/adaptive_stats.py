@@ -108,20 +108,33 @@ def abs_max(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:
     return ops.xp.max(ops.xp.abs(ops.f32(x)), axis=_reduce_axes(x, axis))
 
 
+#: Elements per float32 temporary when a torch CPU tensor's norm needs its values widened (256 KiB): the CPU kernel
+#: casts the whole input before reducing, which for a large fp16 gradient would cost twice its size.
+CPU_CAST_CHUNK = 1 << 16
+
+
 def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     """(sqrt(sum of x^2), max |x|) over all elements, in float32, as values of ``ops.scalars``; NaN propagates.
 
-    No float32 copy of a torch tensor and no |x| temporary anywhere: on large activations such temporaries cost more
-    than the reductions. Torch: a fused norm (float32 accumulation, float64 for float64 input). NumPy/CuPy: an inner
-    product of the float32 values.
+    No |x| temporary and no float32 copy of the whole of a low-precision x: on large activations such temporaries
+    cost more than the reductions, and they would raise peak memory. Torch: a fused norm with float32 accumulation
+    (float64 for float64 input); on CPU, where that norm widens its whole input first, fp16/bf16 tensors are taken
+    in chunks of :data:`CPU_CAST_CHUNK` elements. NumPy/CuPy: an inner product of the float32 values.
     """
     if ops.is_torch:
-        norm = ops.native.linalg.vector_norm(x, dtype=ops.native.promote_types(x.dtype, ops.native.float32))
-        return norm.float(), abs_max_value(ops, x)
+        return _torch_norm(ops.native, x), abs_max_value(ops, x)
     flat = ops.f32(x).reshape(-1)
     if ops.host_scalars:  # NumPy: float32 scalars already, straight from the ufuncs (see abs_max_value)
         return np.sqrt(np.dot(flat, flat)), HOST.maximum(np.maximum.reduce(flat), -np.minimum.reduce(flat))
     return ops.f32(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
+
+
+def _torch_norm(torch: Any, x: Any) -> Any:
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    if x.dtype == dtype or x.device.type != "cpu" or x.numel() <= CPU_CAST_CHUNK:
+        return torch.linalg.vector_norm(x, dtype=dtype).float()
+    parts = [torch.linalg.vector_norm(part, dtype=dtype) for part in x.reshape(-1).split(CPU_CAST_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(parts)).float()
 
 
 def abs_max_value(ops: Float32Ops, x: Any) -> Any:
