@@ -14,11 +14,24 @@ from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, b
 from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, conv_fan, default_range,
                                              element_wise_extremes, linear_fan, norm_and_abs_max, ops_for,
                                              underflow_fraction, underflow_k)
+from adaloss_cli.core.array_ops import device_scalars
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-BACKENDS = ["numpy", "torch"]
+# "torch" finishes the factor math on host scalars, as torch CPU tensors do; "torch-device" runs the same CPU tensors
+# through the device path (0-d tensors, no reads), exactly what CUDA runs.
+BACKENDS = ["numpy", "torch", "torch-device"]
+
+
+@pytest.fixture(autouse=True)
+def scalar_path(request):
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "torch-device":
+        with device_scalars():
+            yield
+    else:
+        yield
 
 
 def to(backend: str, a, device: str = "cpu"):
@@ -129,6 +142,19 @@ def test_power_of_two_floor(backend):
     assert np.array_equal(value(power_of_two_floor(to(backend, powers))), powers)
     assert np.array_equal(value(power_of_two_floor(to(backend, below[1:]))), powers[:-1])
     assert np.array_equal(value(power_of_two_floor(to(backend, powers * np.float32(1.5)))[:-1]), powers[:-1])
+
+
+def test_host_power_of_two_floor_is_the_bit_clearing_of_the_device_path():
+    """The host chain floors with frexp, the device path clears mantissa bits: identical on every kind of value."""
+    from adaloss_cli.core.array_ops import HOST
+    tiny = np.finfo(np.float32).tiny
+    values = np.array([0.0, -0.0, tiny, tiny / 3, -tiny / 5, 1.0, 1.5, 0.23, 3e38, -6.0, math.inf, -math.inf,
+                       math.nan, np.nextafter(np.float32(2.0), np.float32(0))], np.float32)
+    values = np.concatenate([values, np.ldexp(np.float32(1), np.arange(-126, 128)).astype(np.float32) * 1.75])
+    device = ops_for(values).floor_power_of_two(values)
+    for v, want in zip(values, device):
+        got = HOST.floor_power_of_two(v)
+        assert isinstance(got, np.float32) and got.tobytes() == want.tobytes(), (v, got, want)
 
 
 # --- the methods ---------------------------------------------------------------------------------------------------
@@ -261,10 +287,19 @@ def test_numpy_and_torch_agree(method):
         gy = sprinkle_zeros(rng, rng.normal(0, scale, (16, 24))).astype(np.float16)
         w = rng.normal(0, 0.1, (24, 8)).astype(np.float16)
         for a in (1.0, 2.0 ** 10, 2.0 ** 14):
-            got = [float(value(layer_factor(to(b, gy), to(b, w), 24, a, opts))) for b in BACKENDS]
-            assert got[0] == got[1]
-            unbound = [float(value(unbound_factor(to(b, gy), to(b, w), 24, opts))) for b in BACKENDS]
+            got = [on(b, lambda b: layer_factor(to(b, gy), to(b, w), 24, a, opts)) for b in BACKENDS]
+            assert got[0] == got[1] == got[2]
+            unbound = [on(b, lambda b: unbound_factor(to(b, gy), to(b, w), 24, opts)) for b in BACKENDS]
             assert unbound[0] == pytest.approx(unbound[1], rel=1e-6)
+            assert unbound[1] == unbound[2]  # torch's host and device paths: the same float32 arithmetic
+
+
+def on(backend: str, compute) -> float:
+    """compute(backend)'s value, on the device path for "torch-device"."""
+    if backend == "torch-device":
+        with device_scalars():
+            return float(value(compute(backend)))
+    return float(value(compute(backend)))
 
 
 # --- branches and underflow ----------------------------------------------------------------------------------------
@@ -315,7 +350,7 @@ def test_torch_path_never_reads_back_to_the_host(monkeypatch, golden_layer):
     def forbidden(*args, **kwargs):
         raise AssertionError("host read of a device value")
 
-    with monkeypatch.context() as m:
+    with device_scalars(), monkeypatch.context() as m:
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
                      "__array__"):
             m.setattr(torch.Tensor, name, forbidden)

@@ -28,8 +28,6 @@ __all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", 
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 _ABS_RANGE_O_MIN_FLOOR = 1e-15
-#: The sign and exponent bits of a float32 (0xFF800000 as a signed 32-bit integer).
-_SIGN_AND_EXPONENT = -0x00800000
 
 
 @dataclass(frozen=True)
@@ -207,31 +205,30 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
                      axes: tuple[int, int] | None = None) -> Any:
     """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
 
-    ``state`` is a :class:`~.scale_schedule.ScaleSchedule` with ``table``, ``unbound`` and ``factor`` arrays and
-    ``origin_slot``. Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations (reuses
-    it otherwise), caps the scale the layers created counting from the output point's scale, and writes A * s to
-    ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the stored
-    s. Returns s (a 0-d device array, or a float32 scalar for NumPy arrays), or None in measure-only mode (where the
-    scale passes through unchanged).
+    ``state`` is a :class:`~.scale_schedule.ScaleSchedule` (its :meth:`~.scale_schedule.ScaleSchedule.scale_arrays`
+    and ``origin_slot``). Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations
+    (reuses it otherwise), caps the scale the layers created counting from the output point's scale, and writes
+    A * s to ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the
+    stored s. Returns s (a 0-d device array, or a float32 scalar for arrays in host memory), or None in measure-only
+    mode (where the scale passes through unchanged).
     """
+    table, unbound_factors, factors = state.scale_arrays()
     if state.reuse:
-        return state.factor[index]
-    table = state.table
+        return factors[index]
     accum = table[out_slot]
     if not state.adaptive:
         table[in_slot] = accum
         return None
     opts = state.options
     ops = ops_for(gy)
-    sops = ops.scalars
     with ops.quiet():
         if state.refresh:
             unbound = _unbound_factor(ops, gy, weight, fan, opts, axes)
-            state.unbound[index] = unbound
+            unbound_factors[index] = unbound
         else:
-            unbound = state.unbound[index]
-        factor = _bound(sops, unbound, accum / table[state.origin_slot], opts)
-        state.factor[index] = factor
+            unbound = unbound_factors[index]
+        factor = _bound(ops.scalars, unbound, accum / table[state.origin_slot], opts)
+        factors[index] = factor
         table[in_slot] = accum * factor
     return factor
 
@@ -240,7 +237,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     """A branch point's backward bookkeeping: the multiplier of each incoming gradient (None: sum them as they are)
     and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale between
     refreshes: with the factors reused, the incoming scales are the same as then."""
-    table = state.table
+    table = state.scale_arrays()[0]
     if len(grads) == 1 or not state.adaptive:
         if not state.reuse:
             table[in_slot] = table[slots[0]]
@@ -264,7 +261,7 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
     statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
     if state.reuse:
         return cache
-    table = state.table
+    table = state.scale_arrays()[0]
     if not state.adaptive:
         table[in_slot] = table[out_slot]
         return None
@@ -312,10 +309,10 @@ def power_of_two_floor(s: Any) -> Any:
 
 
 def _floor_power_of_two(ops: Any, s: Any) -> Any:
-    """2**floor(log2(s)) for normal float32 s > 0, exactly: s with its mantissa bits cleared (one operation, where
-    log2, floor and pow took five on every layer). 0 and +inf stay; a subnormal s gives 0, NaN gives +inf, and a
-    negative s a negative power of two (the public :func:`power_of_two_floor` passes those through unchanged)."""
-    return ops.keep_bits(s, _SIGN_AND_EXPONENT)
+    """2**floor(log2(s)) for normal float32 s > 0, exactly (see ``floor_power_of_two`` of either kind of ops). 0
+    and +inf stay; a subnormal s gives 0, NaN gives +inf, and a negative s a negative power of two (the public
+    :func:`power_of_two_floor` passes those through unchanged)."""
+    return ops.floor_power_of_two(s)
 
 
 def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: float) -> tuple[Any, list]:

@@ -122,19 +122,26 @@ def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     in chunks of :data:`CPU_CAST_CHUNK` elements. NumPy/CuPy: an inner product of the float32 values.
     """
     if ops.is_torch:
-        return _torch_norm(ops.native, x), abs_max_value(ops, x)
+        norm = _torch_norm(ops.native, x)
+        return (ops.scalar(norm) if ops.host_scalars else norm), abs_max_value(ops, x)
     flat = ops.f32(x).reshape(-1)
-    if ops.host_scalars:  # NumPy: float32 scalars already, straight from the ufuncs (see abs_max_value)
+    if ops.is_numpy:  # float32 scalars already, straight from the ufuncs (see abs_max_value)
         return np.sqrt(np.dot(flat, flat)), HOST.maximum(np.maximum.reduce(flat), -np.minimum.reduce(flat))
     return ops.f32(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
 
 
+def _single_norm(torch: Any, x: Any) -> bool:
+    """Whether torch's norm may take x whole: no widening, or not on CPU, or small enough to widen."""
+    return x.dtype in (torch.float32, torch.float64) or x.device.type != "cpu" or x.numel() <= CPU_CAST_CHUNK
+
+
 def _torch_norm(torch: Any, x: Any) -> Any:
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    if x.dtype == dtype or x.device.type != "cpu" or x.numel() <= CPU_CAST_CHUNK:
-        return torch.linalg.vector_norm(x, dtype=dtype).float()
-    parts = [torch.linalg.vector_norm(part, dtype=dtype) for part in x.reshape(-1).split(CPU_CAST_CHUNK)]
-    return torch.linalg.vector_norm(torch.stack(parts)).float()
+    if x.dtype == torch.float64:
+        return torch.linalg.vector_norm(x).float()
+    if _single_norm(torch, x):
+        return torch.linalg.vector_norm(x, dtype=torch.float32)
+    parts = [torch.linalg.vector_norm(part, dtype=torch.float32) for part in x.reshape(-1).split(CPU_CAST_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
 def abs_max_value(ops: Float32Ops, x: Any) -> Any:
@@ -142,8 +149,10 @@ def abs_max_value(ops: Float32Ops, x: Any) -> Any:
     no |x| temporary, and exact in x's own dtype."""
     if ops.is_torch:
         lo, hi = ops.native.aminmax(x)
+        if ops.host_scalars:
+            return HOST.maximum(ops.scalar(hi), -ops.scalar(lo))
         return ops.native.maximum(hi, -lo).float()
-    if ops.host_scalars:  # the ufuncs themselves: ndarray.max's wrapper costs as much as a small reduction
+    if ops.is_numpy:  # the ufuncs themselves: ndarray.max's wrapper costs as much as a small reduction
         return HOST.maximum(np.float32(np.maximum.reduce(x, axis=None)), -np.float32(np.minimum.reduce(x, axis=None)))
     return ops.maximum(ops.f32(x.max()), -ops.f32(x.min()))
 
@@ -152,10 +161,11 @@ def abs_extremes(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     """(min |x| over the non-zero elements, +inf when there are none; max |x|) as float32 values of
     ``ops.scalars``, from one |x|. NaN propagates to both."""
     mag = ops.native.abs(ops.f32(x))
-    if ops.host_scalars:  # a masked reduction: no second temporary
+    if ops.is_numpy:  # a masked reduction: no second temporary
         lo = np.minimum.reduce(mag, axis=None, where=mag != np.float32(0.0), initial=np.float32(math.inf))
         return np.float32(lo), np.float32(np.maximum.reduce(mag, axis=None))
-    return ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min(), mag.max()
+    lo, hi = ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min(), mag.max()
+    return (ops.scalar(lo), ops.scalar(hi)) if ops.host_scalars else (lo, hi)
 
 
 def nonzero_abs_min(ops: Float32Ops, x: Any, axis: int | None = None) -> Any:

@@ -1,13 +1,15 @@
 """The two kinds of arithmetic the adaptive factor math runs on: arrays on a device, and float32 scalars on the host.
 
 The statistics (reductions over a layer's gradient and weight) always run where the data is, through
-:class:`Float32Ops`. What follows them is a chain of a few dozen operations on single numbers per layer. For torch
-and CuPy arrays those numbers stay 0-d arrays on the device, so nothing is read back and nothing waits. NumPy
-arrays are host memory anyway, so their chain runs on NumPy float32 scalars through :class:`HostScalars`: the same
-IEEE float32 arithmetic, with Python comparisons in place of ufuncs, which cost more than the arithmetic on 0-d
-arrays. (Torch CPU tensors keep the device path: their ``.item()`` reads and the conversions back cost more than
-the 0-d torch operations they would save, measured, and CPU runs then test exactly what CUDA runs.) Both classes
-offer the same operations, so the factor math in ``adaptive.py`` is written once against either.
+:class:`Float32Ops`. What follows them is a chain of a few dozen operations on single numbers per layer. For CUDA
+tensors and CuPy arrays those numbers stay 0-d arrays on the device, so nothing is read back and nothing waits.
+Arrays in host memory (NumPy, and torch CPU tensors) run that chain on NumPy float32 scalars through
+:class:`HostScalars`: the same IEEE float32 arithmetic, with Python comparisons in place of ufuncs. Reading a
+reduction's result there is not a device-to-host transfer (the data is on the host already), and it costs a small
+fraction of the dozens of 0-d tensor operations it replaces: on a small model those made adaptive scaling cost more
+than the backward pass they belong to. Both classes offer the same operations, so the factor math in
+``adaptive.py`` is written once against either; :func:`device_scalars` runs torch CPU tensors through the device
+path instead, so CPU tests exercise exactly what CUDA runs.
 """
 
 from __future__ import annotations
@@ -21,17 +23,84 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["HOST", "Float32Ops", "HostScalars", "ops_for"]
+__all__ = ["HOST", "Float32Ops", "HostScalars", "device_scalars", "host_view", "ops_for", "scalars_on_host",
+           "torch_cpu_on_host"]
 
 # The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
 # functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
 _NATIVE = {"array_api_compat.numpy": "numpy", "array_api_compat.torch": "torch", "array_api_compat.cupy": "cupy"}
 _CONSTANTS: dict[tuple[str, str], dict[float, Any]] = {}  # (namespace, device) -> value -> constant
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_SIGN_AND_EXPONENT = -0x00800000  # the sign and exponent bits of a float32 (0xFF800000 as a signed 32-bit integer)
+# Whether torch CPU tensors finish their factor math on host scalars (see the module docstring and device_scalars).
+_TORCH_CPU_ON_HOST = True
+
+
+def scalars_on_host(x: Any) -> bool:
+    """Whether the factor math for array x finishes on host float32 scalars (:class:`HostScalars`): NumPy arrays,
+    and torch CPU tensors unless :func:`device_scalars` is active."""
+    if isinstance(x, np.ndarray):
+        return True
+    return _TORCH_CPU_ON_HOST and array_api_compat.is_torch_array(x) and x.device.type == "cpu"
+
+
+def torch_cpu_on_host() -> bool:
+    """Whether torch CPU tensors currently take the host path (False inside :func:`device_scalars`): what views
+    cached by a backend depend on."""
+    return _TORCH_CPU_ON_HOST
+
+
+def host_view(x: Any) -> Any:
+    """x itself, or for a torch tensor whose factor math runs on the host a NumPy view of its memory (reads and
+    writes go to the tensor): what the factor math reads scales from and writes them to."""
+    return x.numpy() if scalars_on_host(x) and not isinstance(x, np.ndarray) else x
+
+
+@contextlib.contextmanager
+def device_scalars() -> Any:
+    """Within the block, torch CPU tensors take the device path (0-d tensors, never read back), as CUDA tensors
+    do: for tests that must exercise the CUDA logic on a CPU-only machine, and for comparing the two paths."""
+    global _TORCH_CPU_ON_HOST
+    saved, _TORCH_CPU_ON_HOST = _TORCH_CPU_ON_HOST, False
+    try:
+        yield
+    finally:
+        _TORCH_CPU_ON_HOST = saved
 
 
 def _native_namespace(xp: Any) -> Any:
     name = _NATIVE.get(xp.__name__)
     return importlib.import_module(name) if name else xp
+
+
+def _ignore_errors() -> Any:
+    """Silence NumPy's floating-point warnings; returns what :func:`_restore_errors` needs to undo it. NumPy 1.x's
+    error object is swapped directly (``np.seterr`` costs five times as much); NumPy 2 has only ``np.seterr``."""
+    if _ERROR_OBJECT is None:
+        return np.seterr(all="ignore")
+    saved = list(np.geterrobj())
+    np.seterrobj(_ERROR_OBJECT)
+    return saved
+
+
+def _restore_errors(saved: Any) -> None:
+    if _ERROR_OBJECT is None:
+        np.seterr(**saved)
+    else:
+        np.seterrobj(saved)
+
+
+def _error_object_ignoring_all() -> list | None:
+    if not hasattr(np, "seterrobj"):
+        return None
+    saved = np.seterr(all="ignore")
+    try:
+        return list(np.geterrobj())  # a copy: np.seterr edits the list it gets in place
+    finally:
+        np.seterr(**saved)
+
+
+_ERROR_OBJECT = _error_object_ignoring_all()
 
 
 class _NumpyQuiet:
@@ -43,23 +112,27 @@ class _NumpyQuiet:
     def __enter__(self) -> None:
         depth = getattr(self._depth, "n", 0)
         if depth == 0:
-            self._depth.saved = np.seterr(all="ignore")
+            self._depth.saved = _ignore_errors()
         self._depth.n = depth + 1
 
     def __exit__(self, *exc: Any) -> None:
         self._depth.n -= 1
         if self._depth.n == 0:
-            np.seterr(**self._depth.saved)
+            _restore_errors(self._depth.saved)
 
 
 class HostScalars:
     """Float32 arithmetic on NumPy float32 scalars, with the semantics of :class:`Float32Ops` on 0-d arrays:
     ``maximum``/``minimum`` propagate NaN, ``where`` picks, comparisons give booleans. Constants are float32 (under
-    NumPy 1.x a Python number would widen a float32 scalar to float64)."""
+    NumPy 1.x a Python number would widen a float32 scalar to float64).
+
+    Arithmetic stays on the float32 scalars (exact float32 rounding, as on a device); comparisons and the
+    power-of-two floor go through Python floats, which hold every float32 value exactly: NumPy's scalar comparisons
+    and bit views cost ten to thirty times a multiplication, and they made up most of a layer's factor math.
+    """
 
     def __init__(self) -> None:
         self._constants: dict[float, np.float32] = {}
-        self._zero, self._inf = self.const(0.0), self.const(math.inf)
 
     def const(self, value: float) -> np.float32:
         """``value`` as a float32 scalar (made once per value)."""
@@ -70,26 +143,30 @@ class HostScalars:
 
     @staticmethod
     def maximum(a: Any, b: Any) -> Any:
-        return a if (a >= b or a != a) else b
+        fa = float(a)
+        return a if (fa >= float(b) or fa != fa) else b
 
     @staticmethod
     def minimum(a: Any, b: Any) -> Any:
-        return a if (a <= b or a != a) else b
+        fa = float(a)
+        return a if (fa <= float(b) or fa != fa) else b
 
     @staticmethod
     def where(condition: Any, a: Any, b: Any) -> Any:
         return a if condition else b
 
-    def positive_finite(self, x: Any) -> bool:
+    @staticmethod
+    def positive_finite(x: Any) -> bool:
         """0 < x < inf: False for 0, inf and NaN."""
-        return bool(self._zero < x < self._inf)
+        return 0.0 < float(x) < math.inf
 
-    def isfinite(self, x: Any) -> bool:
-        return bool(abs(x) < self._inf)
+    @staticmethod
+    def isfinite(x: Any) -> bool:
+        return math.isfinite(float(x))
 
     @staticmethod
     def isnan(x: Any) -> bool:
-        return bool(x != x)
+        return math.isnan(float(x))
 
     @staticmethod
     def logical_and(a: Any, b: Any) -> bool:
@@ -101,12 +178,20 @@ class HostScalars:
 
     def safe_div(self, num: Any, den: Any, if_zero: float) -> Any:
         """num / den, or if_zero when den == 0."""
-        return self.const(if_zero) if den == 0 else num / den
+        return self.const(if_zero) if float(den) == 0.0 else num / den
 
-    @staticmethod
-    def keep_bits(x: Any, mask: int) -> np.float32:
-        """x with only the bits that ``mask`` (a signed 32-bit integer) has set."""
-        return (np.float32(x).view(np.int32) & np.int32(mask)).view(np.float32)
+    def floor_power_of_two(self, x: Any) -> np.float32:
+        """2**floor(log2(x)) for a normal float32 x > 0, exactly; 0 and +inf stay, a subnormal gives 0, NaN +inf
+        and a negative x the negative power of two below |x| (what clearing the mantissa bits gives)."""
+        value = float(x)
+        if value != value:
+            return self.const(math.inf)
+        magnitude = abs(value)
+        if magnitude == math.inf or magnitude == 0.0:
+            return np.float32(value)
+        if magnitude < _FLOAT32_TINY:
+            return np.float32(math.copysign(0.0, value))
+        return self.const(math.copysign(math.ldexp(0.5, math.frexp(magnitude)[1]), value))
 
     @staticmethod
     def floor(x: Any) -> Any:
@@ -136,21 +221,23 @@ class Float32Ops:
     Constants are made so that no host-to-device copy happens: NumPy gets ``np.float32`` scalars (which keep
     float32 under NumPy 1.x's value-based casting), other namespaces a 0-d array filled on the device.
     ``maximum``, ``minimum`` and ``where`` are the underlying library's own, for float32 arrays only: wrapper
-    overhead would dominate on 0-d arrays. :attr:`scalars` is :data:`HOST` for NumPy arrays, else ``self``;
-    :meth:`scalar` moves a 0-d reduction result there and :meth:`from_scalar` back into this namespace.
+    overhead would dominate on 0-d arrays. :attr:`scalars` is :data:`HOST` for arrays in host memory (see
+    :func:`scalars_on_host`), else ``self``; :meth:`scalar` moves a 0-d reduction result there and
+    :meth:`from_scalar` back into this namespace.
     """
 
     def __init__(self, *arrays: Any):
         self.xp = array_api_compat.array_namespace(*arrays)
         self.device = array_api_compat.device(arrays[0])
-        self._numpy = array_api_compat.is_numpy_namespace(self.xp)
+        #: NumPy arrays (whose reductions have host-only fast paths) and torch tensors (fused statistics).
+        self.is_numpy = array_api_compat.is_numpy_namespace(self.xp)
         self.is_torch = array_api_compat.is_torch_namespace(self.xp)
         self.native = native = _native_namespace(self.xp)
         self.maximum, self.minimum, self.where = native.maximum, native.minimum, native.where
         self.isfinite, self.isnan = native.isfinite, native.isnan
         self.logical_and, self.logical_not = native.logical_and, native.logical_not
         self._constants = _CONSTANTS.setdefault((self.xp.__name__, str(self.device)), {})
-        self.host_scalars = self._numpy
+        self.host_scalars = scalars_on_host(arrays[0])
         self.scalars: Float32Ops | HostScalars = HOST if self.host_scalars else self
 
     def const(self, value: float) -> Any:
@@ -158,7 +245,7 @@ class Float32Ops:
         a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
         cached = self._constants.get(value)
         if cached is None:
-            cached = np.float32(value) if self._numpy else self.xp.full((), value, dtype=self.xp.float32,
+            cached = np.float32(value) if self.is_numpy else self.xp.full((), value, dtype=self.xp.float32,
                                                                         device=self.device)
             self._constants[value] = cached
         return cached
@@ -167,20 +254,28 @@ class Float32Ops:
         """A 0-d result (array, NumPy scalar or Python number) as a float32 value of :attr:`scalars`."""
         if not self.host_scalars:
             return self.const(float(x)) if isinstance(x, (int, float)) else self.f32(x)
+        if self.is_torch and isinstance(x, self.native.Tensor):
+            return np.float32(x.item())
         return np.float32(x)
 
     def from_scalar(self, x: Any) -> Any:
         """A value of :attr:`scalars` as a 0-d float32 array of this namespace and device."""
-        return np.asarray(x, dtype=np.float32) if self.host_scalars else self.array(x)
+        if not self.host_scalars:
+            return self.array(x)
+        if self.is_torch:
+            return self.native.tensor(float(x), dtype=self.native.float32, device=self.device)
+        return np.asarray(x, dtype=np.float32)
 
-    def keep_bits(self, x: Any, mask: int) -> Any:
-        """A float32 array with only the bits of each element that ``mask`` (a signed 32-bit integer) has set."""
+    def floor_power_of_two(self, x: Any) -> Any:
+        """2**floor(log2(x)) elementwise for normal float32 x > 0, exactly: x with its mantissa bits cleared (one
+        operation, where log2, floor and pow took five). 0 and +inf stay; a subnormal x gives 0, NaN gives +inf,
+        and a negative x a negative power of two."""
         x = self.f32(x)
         if self.is_torch:
-            return self.native.bitwise_and(x.view(self.native.int32), mask).view(self.native.float32)
+            return self.native.bitwise_and(x.view(self.native.int32), _SIGN_AND_EXPONENT).view(self.native.float32)
         # NumPy/CuPy: an int32 mask, or NumPy 1.x's value-based casting widens the result to int64.
-        bits = np.asarray(x).view(np.int32) if self._numpy else x.view(self.native.int32)
-        return self.native.asarray(bits & np.int32(mask)).view(self.native.float32)
+        bits = np.asarray(x).view(np.int32) if self.is_numpy else x.view(self.native.int32)
+        return self.native.asarray(bits & np.int32(_SIGN_AND_EXPONENT)).view(self.native.float32)
 
     def f32(self, x: Any) -> Any:
         """x as float32 (no copy when it already is)."""
@@ -190,7 +285,7 @@ class Float32Ops:
 
     def array(self, x: Any) -> Any:
         """x as a float32 array: NumPy reductions return scalars, callers get (0-d) arrays."""
-        return np.asarray(self.f32(x)) if self._numpy else self.f32(x)
+        return np.asarray(self.f32(x)) if self.is_numpy else self.f32(x)
 
     def positive_finite(self, x: Any) -> Any:
         """0 < x < inf, elementwise: False for 0, inf and NaN (two comparisons, where isfinite costs several ops)."""
@@ -198,7 +293,7 @@ class Float32Ops:
 
     def quiet(self) -> Any:
         """Silence NumPy's floating-point warnings: non-finite inputs are handled by ``where``, not by warnings."""
-        return _NumpyQuiet() if self._numpy else contextlib.nullcontext()
+        return _NumpyQuiet() if self.host_scalars else contextlib.nullcontext()
 
     def safe_div(self, num: Any, den: Any, if_zero: float) -> Any:
         """num / den, or if_zero where den == 0, without a division by zero."""
@@ -219,8 +314,8 @@ _OPS: dict[tuple[type, Any], Float32Ops] = {}
 
 
 def ops_for(x: Any) -> Float32Ops:
-    """The :class:`Float32Ops` of x's library and device, made once per (array type, device)."""
-    key = (type(x), getattr(x, "device", None))
+    """The :class:`Float32Ops` of x's library and device, made once per (array type, device, scalar mode)."""
+    key = (type(x), getattr(x, "device", None), _TORCH_CPU_ON_HOST)
     ops = _OPS.get(key)
     if ops is None:
         ops = _OPS[key] = Float32Ops(x)

@@ -18,7 +18,8 @@ __all__ = ["ScaleSchedule"]
 class ScaleSchedule:
     """Mixin for a backend's scale state: the iteration counter, recording flags and the reuse decision.
 
-    A subclass calls :meth:`init_schedule` in its ``__init__`` and keeps its arrays itself.
+    A subclass calls :meth:`init_schedule` in its ``__init__`` and keeps its arrays itself: ``table`` (one
+    accumulated scale per gradient edge), ``unbound`` and ``factor`` (one per scale point).
     """
 
     options: Any  # AdaptiveOptions, or None for measure-only
@@ -49,6 +50,12 @@ class ScaleSchedule:
         """Whether every factor and accumulated scale of the last full backward still holds, so that scale points
         only apply their stored factors (no statistics, no bounds, no table writes)."""
         return self._tables_current and not self.refresh
+
+    def scale_arrays(self) -> tuple[Any, Any, Any]:
+        """(table, unbound, factor): the arrays the factor math reads scales from and writes them to. Backends whose
+        arrays live in host memory behind another library's type return NumPy views of them
+        (:func:`~.array_ops.host_view`)."""
+        return self.table, self.unbound, self.factor  # type: ignore[attr-defined]
 
     def note_origin_scale(self, scale: float) -> None:
         """The loss scale the next backward starts from; a change makes the stored accumulated scales stale."""

@@ -27,14 +27,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
-                                       output_scale_step)
+from adaloss_cli.core.adaptive import AdaptiveOptions, branch_scale_step, layer_scale_step, output_scale_step
 from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.array_ops import host_view, torch_cpu_on_host
 from adaloss_cli.core.scale_schedule import ScaleSchedule
 
 
@@ -43,7 +44,9 @@ class ScaleState(nn.Module, ScaleSchedule):
 
     ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
     (used to measure underflow for the none/fixed/dynamic methods). When the scale points recompute what is
-    :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision.
+    :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision. On CPU the factor math reads and writes the
+    tables through NumPy views of the same memory (:meth:`scale_arrays`), and factors reach the scale points as
+    host float32 scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device.
     """
 
     def __init__(self, num_slots: int, num_points: int, options: AdaptiveOptions | None, init_scale: float) -> None:
@@ -59,17 +62,36 @@ class ScaleState(nn.Module, ScaleSchedule):
         #: Each parameter and the slot of the scale its gradient carries: its gradient is divided by that scale when
         #: a backward pass ends. Empty when per-parameter hooks do that, or nothing does (measure-only).
         self.param_slots: list[tuple[nn.Parameter, int]] = []
-        self._backward_task: int | None = None
-        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self._divisors: tuple[tuple[int, int], list[torch.Tensor]] = ((0, 0), [])
+        # Per-pass bookkeeping in a plain object: nn.Module's __setattr__ costs more than the work it records.
+        self._run = _BackwardRun()
 
     def _apply(self, fn, *args, **kwargs):
-        """Moves with the model, but the scales stay float32 even when the model is cast to half."""
+        """Moves with the model, but the scales stay float32 even when the model is cast to half. The next backward
+        recomputes every bound, so no point keeps a factor from before the move."""
         super()._apply(fn, *args, **kwargs)
         for name, buffer in self._buffers.items():
             if buffer is not None and buffer.dtype != torch.float32:
                 self._buffers[name] = buffer.float()
+        self.mark_stale()
         return self
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the cached views behind: a copied NumPy view would not share the copied
+        tensor's memory."""
+        state = dict(super().__getstate__())
+        state["_run"] = _BackwardRun()
+        return state
+
+    def scale_arrays(self) -> tuple[Any, Any, Any]:
+        """(table, unbound, factor) as the factor math uses them: the buffers themselves on CUDA, NumPy views of
+        their memory on CPU (made again whenever a buffer is replaced, e.g. by ``.to()``)."""
+        cached = self._run.arrays
+        buffers = self._buffers
+        if (cached is None or cached[0] is not buffers["table"] or cached[1] is not buffers["unbound"]
+                or cached[2] is not buffers["factor"] or cached[3] != torch_cpu_on_host()):
+            tensors = (buffers["table"], buffers["unbound"], buffers["factor"])
+            cached = self._run.arrays = (*tensors, torch_cpu_on_host(), tuple(host_view(t) for t in tensors))
+        return cached[4]
 
     def set_loss_scale(self, scale: float) -> None:
         """The scale of the gradient arriving from the loss (slot 0)."""
@@ -86,36 +108,46 @@ class ScaleState(nn.Module, ScaleSchedule):
         """
         if not self.param_slots:
             return
+        run = self._run
         task = torch._C._current_graph_task_id()
-        if task in (self._backward_task, -1):  # -1: called outside a backward pass (a direct call in a test)
+        if task in (run.task, -1):  # -1: called outside a backward pass (a direct call in a test)
             return
-        self._backward_task = task
-        self._held = [(p, p.grad) for p, _ in self.param_slots if p.grad is not None]
-        for p, _ in self._held:
+        run.task = task
+        run.held = [(p, p.grad) for p, _ in self.param_slots if p.grad is not None]
+        for p, _ in run.held:
             p.grad = None
         Variable._execution_engine.queue_callback(self._unscale_parameter_grads)
 
     def _unscale_parameter_grads(self) -> None:
-        """End of a backward pass: divide the new gradients by their scales (one multi-tensor call), add back the
-        held ones."""
-        grads, divisors = [], []
-        for (p, _), divisor in zip(self.param_slots, self._param_divisors()):
-            if p.grad is not None:
-                grads.append(p.grad)
-                divisors.append(divisor)
-        if grads:
-            torch._foreach_div_(grads, divisors)
-        for p, held in self._held:
+        """End of a backward pass: divide the new gradients by their scales (one multi-tensor call per distinct
+        scale), add back the held ones."""
+        run = self._run
+        if run.divisions is None or not self.reuse:  # the scales this pass used are new
+            run.divisions = self._divisions()
+        for divisor, params in run.divisions:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, divisor)
+        for p, held in run.held:
             p.grad = held if p.grad is None else p.grad.add_(held)
-        self._held = []
+        run.held = []
 
-    def _param_divisors(self) -> list[torch.Tensor]:
-        """One 0-d view of the scale table per entry of :attr:`param_slots`, made again when the table is replaced
-        (moved, copied)."""
-        key = (id(self.table), self.table.data_ptr())
-        if self._divisors[0] != key:
-            self._divisors = (key, [self.table[slot] for _, slot in self.param_slots])
-        return self._divisors[1]
+    def _divisions(self) -> list[tuple[Any, list[nn.Parameter]]]:
+        """The parameters of :attr:`param_slots` grouped by what their gradients are divided by: equal host scales
+        share one group and a scale of 1 needs none; on a device, one group per slot (its 0-d table entry)."""
+        table = self.scale_arrays()[0]
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for p, slot in self.param_slots:
+            if isinstance(table, np.ndarray):
+                key = float(table[slot])
+                if key == 1.0:
+                    continue
+            else:
+                key = slot
+            groups.setdefault(key, []).append(p)
+        if isinstance(table, np.ndarray):
+            return list(groups.items())
+        return [(table[slot], params) for slot, params in groups.items()]
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
@@ -128,6 +160,51 @@ class ScaleState(nn.Module, ScaleSchedule):
         for name in ("table", "unbound", "factor"):
             getattr(self, name).copy_(values[name])
         self.mark_stale()
+
+
+class _BackwardRun:
+    """What one backward pass tracks (its graph task, the gradients held aside), and what passes that reuse the
+    stored factors can reuse too: the array views and the parameter-gradient divisions."""
+
+    __slots__ = ("task", "held", "arrays", "divisions")
+
+    def __init__(self) -> None:
+        self.task: int | None = None
+        self.held: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.arrays: tuple | None = None
+        self.divisions: list | None = None
+
+
+def scaled(g: torch.Tensor, factor: Any) -> torch.Tensor:
+    """g * factor for a factor from the core: a 0-d device tensor (a product formed in float32 and rounded once to
+    g's dtype), or a host float32 scalar, where a factor of 1 costs nothing."""
+    if isinstance(factor, torch.Tensor):
+        return g * factor
+    value = float(factor)
+    return g if value == 1.0 else g * value
+
+
+def stored_multiplier(factor: Any) -> float | torch.Tensor | None:
+    """A factor as the multiplier the steps until the next refresh apply (see ``ScaleSchedule.reuse``): a Python
+    float for a host scalar, the 0-d tensor itself on a device, None for nothing to apply (measure-only, or a host
+    factor of 1)."""
+    if factor is None or isinstance(factor, torch.Tensor):
+        return factor
+    value = float(factor)
+    return None if value == 1.0 else value
+
+
+def _keep_multiplier(point: nn.Module, factor: Any) -> None:
+    # A plain attribute (nn.Module.__setattr__ costs more than the product it saves); copies of the model carry it
+    # along with the scale table it agrees with.
+    object.__setattr__(point, "multiplier", stored_multiplier(factor))
+
+
+def _multiply_prehook(multiplier: float | torch.Tensor, index: int, grad_outputs: tuple) -> tuple:
+    """A reused step's whole scale point: the stored factor times the layer's output gradient."""
+    grads = list(grad_outputs)
+    grads[index] = grads[index] * multiplier
+    return tuple(grads)
 
 
 def _state_ref(module: nn.Module, state: ScaleState) -> None:
@@ -149,28 +226,39 @@ class ScaleOutput(nn.Module):
         object.__setattr__(self, "layer", layer)
         self.index, self.name, self.kind, self.fan, self.axes = index, name, kind, fan, axes
         self.in_slot = self.out_slot = 0  # fixed by the transform
+        _keep_multiplier(self, None)  # the factor of the last full backward, as steps that reuse it apply it
 
     def forward(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if y.grad_fn is not None:  # the layer's own backward node: its input y.output_nr is gy
-            y.grad_fn.register_prehook(functools.partial(self._prehook, weight=weight, index=y.output_nr))
+        node = y.grad_fn  # the layer's own backward node: its input y.output_nr is gy
+        state = self.state
+        if node is None or state.reference_pass:  # the float32 reference pass runs unscaled
+            return y
+        if state.reuse:
+            # Until the next refresh this point only applies its stored factor (see ScaleSchedule.reuse), so the
+            # backward needs no more than that product, and nothing at all for a factor of 1: on small models the
+            # Python of a full scale point costs more than the layer's own backward.
+            if self.multiplier is not None:
+                node.register_prehook(functools.partial(_multiply_prehook, self.multiplier, y.output_nr))
+            return y
+        node.register_prehook(functools.partial(self._prehook, weight=weight, index=y.output_nr))
         return y
 
-    def _prehook(self, grad_outputs: tuple, weight: torch.Tensor, index: int) -> tuple:
-        if len(grad_outputs) == 1:
-            return (self.scale_gradient(grad_outputs[0], weight),)
+    def _prehook(self, grad_outputs: tuple, weight: torch.Tensor, index: int) -> tuple | None:
+        gy = grad_outputs[index]
+        result = self.scale_gradient(gy, weight)
+        if result is gy:
+            return None  # unchanged (factor 1, or measure-only)
         grads = list(grad_outputs)
-        grads[index] = self.scale_gradient(grads[index], weight)
+        grads[index] = result
         return tuple(grads)
 
     def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
         state = self.state
-        if state.reference_pass:
-            return gy
         state.begin_backward()
         factor = layer_scale_step(state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan, self.axes)
-        # A 0-d float32 factor keeps gy's dtype; the product is formed in float32 and rounded once.
-        return gy if factor is None else gy * factor
+        _keep_multiplier(self, factor)
+        return gy if factor is None else scaled(gy, factor)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
@@ -253,13 +341,11 @@ class BranchPoint(nn.Module):
             return _sum([g for g, _ in present])
         state.begin_backward()
         tensors = [g for g, _ in present]
-        multipliers = branch_scale_step(state, self.in_slot, tensors, [slot for _, slot in present], self.common)
+        multipliers = branch_scale_step(state, self.in_slot, tensors, [slot for _, slot in present],
+                                        host_view(self.common))
         if multipliers is None:
             return _sum(tensors)
-        total = tensors[0] * multipliers[0]
-        for g, m in zip(tensors[1:], multipliers[1:]):
-            total = total + g * m
-        return total
+        return _sum([scaled(g, m) for g, m in zip(tensors, multipliers)])
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.fan_out} consumers, slots {self.out_slots}->{self.in_slot}"
@@ -280,30 +366,40 @@ class OutputPoint(nn.Module):
         self.in_slot = 0
         self.register_buffer("factor", torch.ones(()), persistent=False)
         self.register_buffer("underflow", torch.full((), float("nan")), persistent=False)
+        _keep_multiplier(self, None)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         # A view for float32 output: a backward node of its own, ahead of the last layer's.
         out = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
-        if out.grad_fn is not None:  # the cast's (or view's) own node, with one input
-            out.grad_fn.register_prehook(functools.partial(self._prehook, dtype=y.dtype))
+        node = out.grad_fn  # the cast's (or view's) own node, with one input
+        state = self.state
+        if node is None or state.reference_pass:
+            return out
+        if state.reuse and not state.recording:  # only the stored factor to apply (see ScaleOutput.forward)
+            node.register_prehook(functools.partial(self._reuse_prehook, self.multiplier))
+        else:
+            node.register_prehook(functools.partial(self._prehook, dtype=y.dtype))
         return out
 
     def _prehook(self, grad_outputs: tuple, dtype: torch.dtype) -> tuple | None:
         scaled = self.scale_gradient(grad_outputs[0], dtype)
         return None if scaled is None else (scaled,)
 
+    def _reuse_prehook(self, multiplier: float | torch.Tensor | None, grad_outputs: tuple) -> tuple | None:
+        self.state.begin_backward()  # the output's node runs first: it opens the pass
+        return None if multiplier is None else (grad_outputs[0] * multiplier,)
+
     def scale_gradient(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """g (float32, scale A at the loss) -> s * g, still float32 (autograd then casts it to ``dtype``); writes
         A * s to the output slot. None leaves g as it is."""
         state = self.state
-        if state.reference_pass:
-            return None
         state.begin_backward()
-        factor = output_scale_step(state, self.in_slot, 0, g, dtype, self.factor)
-        scaled = g if factor is None else g * factor
+        factor = output_scale_step(state, self.in_slot, 0, g, dtype, host_view(self.factor))
+        _keep_multiplier(self, factor)
+        result = g if factor is None else scaled(g, factor)
         if state.recording:
-            self.underflow.copy_(underflow_fraction(scaled.to(dtype), g))
-        return None if factor is None else scaled
+            self.underflow.copy_(underflow_fraction(result.to(dtype), g))
+        return None if factor is None else result
 
     def extra_repr(self) -> str:
         return f"slots 0->{self.in_slot}"
