@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes,
-                             norm_and_abs_max, underflow_k)
+from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes_from,
+                             norm_and_abs_max, per_index_extremes, underflow_k)
 from .array_ops import Float32Ops, ops_for
 
-__all__ = ["METHODS", "AdaptiveOptions", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
+__all__ = ["EXACT_WEIGHT_METHODS", "METHODS", "AdaptiveOptions", "WeightStatistics", "weight_statistics", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
            "branch_scale_step", "output_factor", "output_scale_step", "power_of_two_floor", "unbound_factor"]
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
@@ -90,19 +90,62 @@ class AdaptiveOptions:
         return self._k  # type: ignore[attr-defined]
 
 
-# Each method takes the statistics of gy and W on their device (ops) and finishes in ops.scalars (sops: 0-d device
-# arrays, or float32 scalars on the host, see array_ops); it returns (s, ok): the unbound factor and whether its
-# statistics were usable (None: s itself tells, as _unbound_factor rejects any s that is not positive and finite).
-def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
-                  u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class WeightStatistics:
+    """What a method's factor needs from a layer's weight W, taken where W is at hand (a backend may take them in
+    the forward pass, so that its backward keeps a few numbers rather than the low-precision weight).
+
+    ``values``: approx_range (|W|, max |W|); abs_range (min non-zero |W|, max |W|); element_wise_range the
+    per-index extremes of :func:`~.adaptive_stats.per_index_extremes` along ``axes[1]``; fixed nothing. ``size`` is
+    W's element count; ``axes`` the summed dimension (gy axis, W axis) for element_wise_range.
+    """
+    method: str
+    values: tuple
+    size: int
+    axes: tuple[int, int] | None = None
+
+
+#: Methods whose weight statistics depend on which values of W are exactly representable in the compute dtype
+#: (they model exact underflow: the non-zero minimum changes when small weights round to zero), so they must be taken
+#: from the low-precision weight a layer computes with. approx_range only estimates a distribution: the float32
+#: master weight gives the same statistics up to float32 rounding (each element of the low-precision copy differs
+#: by at most 2**-11 relative, in both directions) without widening a low-precision copy again.
+EXACT_WEIGHT_METHODS = frozenset({"abs_range", "element_wise_range"})
+
+
+def weight_statistics(w: Any, opts: AdaptiveOptions, axes: tuple[int, int] | None = None) -> WeightStatistics:
+    """W's part of the statistics behind :func:`unbound_factor` for ``opts.method`` (see :class:`WeightStatistics`);
+    ``axes`` as for :func:`unbound_factor`."""
+    ops = ops_for(w)
+    with ops.quiet():
+        return _weight_statistics(ops, w, opts.method, axes)
+
+
+def _weight_statistics(ops: Float32Ops, w: Any, method: str, axes: Any) -> WeightStatistics:
+    size = math.prod(w.shape)
+    if size == 0 or method == "fixed":
+        return WeightStatistics(method, (), size)
+    if method == "approx_range":
+        return WeightStatistics(method, norm_and_abs_max(ops, w), size)
+    if method == "abs_range":
+        return WeightStatistics(method, abs_extremes(ops, w), size)
+    axes = default_axes(None, w) if axes is None else tuple(axes)
+    return WeightStatistics(method, per_index_extremes(ops, w, axes[1]), size, axes)
+
+
+# Each method takes gy on its device (ops) and W's statistics, and finishes in ops.scalars (sops: 0-d device arrays,
+# or float32 scalars on the host, see array_ops); it returns (s, ok): the unbound factor and whether its statistics
+# were usable (None: s itself tells, as _unbound_factor rejects any s that is not positive and finite).
+def _approx_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+                  u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
     norm_gy, g_max = norm_and_abs_max(ops, gy)
-    norm_w, w_max = norm_and_abs_max(ops, w)
+    norm_w, w_max = ws.values
     # sigma = sqrt(fan / 2 * E[gy^2] * E[W^2]) = |gy| |W| sqrt(fan / 2 / n), from the norms (the product of the sums
     # of squares can underflow), so u_min / (k * sigma) = (u_min / (k * sqrt(fan / 2 / n))) / (|gy| |W|).
     # max over {gy_min, gy_max} x {w_min, w_max} of |a * b| is max|gy| * max|W|.
-    n = math.prod(gy.shape) * math.prod(w.shape)
+    n = math.prod(gy.shape) * ws.size
     lower = sops.maximum(c(u_min / opts.k / math.sqrt(fan / 2.0 / n)) / (norm_gy * norm_w), c(1.0))
     # No check needed here: a NaN in gy or W makes s NaN; an Inf makes max|gy| max|W| infinite, so s = 0; an all-zero
     # gy or W makes both products zero, so s = +inf. _unbound_factor turns all three into 1. (Float32 inputs beyond
@@ -110,12 +153,12 @@ def _approx_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOpti
     return sops.minimum(lower, c(u_max / fan) / (g_max * w_max)), None
 
 
-def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
-               u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+def _abs_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+               u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
     g_lo, g_hi = abs_extremes(ops, gy)
-    w_lo, w_hi = abs_extremes(ops, w)
+    w_lo, w_hi = ws.values
     ok = sops.logical_and(sops.isfinite(g_hi), sops.isfinite(w_hi))
     o_min = sops.maximum(g_lo * w_lo, c(_ABS_RANGE_O_MIN_FLOOR))
     o_max = g_hi * w_hi
@@ -124,11 +167,11 @@ def _abs_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions
     return sops.where(o_max > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
-def _element_wise_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
-                        u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+def _element_wise_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+                        u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
-    lo, hi = (ops.scalar(v) for v in element_wise_extremes(gy, w, default_axes(gy, w) if axes is None else axes))
+    lo, hi = (ops.scalar(v) for v in element_wise_extremes_from(ops, gy, ws.axes[0], ws.values))
     ok = sops.logical_and(sops.isfinite(hi), sops.logical_not(sops.isnan(lo)))
     # As the reference: lift every product above u_min, and keep a sum of fan products below u_max.
     lower = sops.maximum(sops.safe_div(c(u_min), lo, math.inf), c(1.0))
@@ -136,8 +179,8 @@ def _element_wise_range(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: Adapti
     return sops.where(hi > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
-def _fixed(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
-           u_min: float, u_max: float, axes: Any) -> tuple[Any, Any]:
+def _fixed(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+           u_min: float, u_max: float) -> tuple[Any, Any]:
     return ops.scalars.const(opts.fixed_loss_scale), None
 
 
@@ -153,26 +196,35 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
                    axes: tuple[int, int] | None = None) -> Any:
     """The statistics-based factor s of one scale point, before bounds and power of two (0-d float32).
 
-    gy is the layer's output gradient as stored (scaled by A), w its weight; fan comes from
-    :func:`~.adaptive_stats.linear_fan` or :func:`~.adaptive_stats.conv_fan`. ``axes`` (element_wise_range only)
-    names the summed dimension in gy and W, default :func:`~.adaptive_stats.default_axes`. Non-finite statistics,
-    an all-zero gy or W, or an empty array give s = 1.
+    gy is the layer's output gradient as stored (scaled by A), w its weight or the weight's
+    :func:`weight_statistics`; fan comes from :func:`~.adaptive_stats.linear_fan` or
+    :func:`~.adaptive_stats.conv_fan`. ``axes`` (element_wise_range only) names the summed dimension in gy and W,
+    default :func:`~.adaptive_stats.default_axes`. Non-finite statistics, an all-zero gy or W, or an empty array
+    give s = 1.
     """
     ops = ops_for(gy)
     with ops.quiet():
-        return ops.from_scalar(_unbound_factor(ops, gy, w, fan, opts, axes))
+        return ops.from_scalar(_unbound_factor(ops, gy, _statistics_of(w, opts, axes), fan, opts))
+
+
+def _statistics_of(w: Any, opts: AdaptiveOptions, axes: Any) -> WeightStatistics:
+    if not isinstance(w, WeightStatistics):
+        return _weight_statistics(ops_for(w), w, opts.method, axes)
+    if w.method != opts.method:
+        raise ValueError(f"weight statistics were taken for {w.method!r}, not {opts.method!r}")
+    return w
 
 
 # The private functions below expect the caller to have entered ``ops.quiet()`` (once per public call: entering it
 # costs more than the arithmetic it guards).
-def _unbound_factor(ops: Float32Ops, gy: Any, w: Any, fan: int, opts: AdaptiveOptions, axes: Any) -> Any:
+def _unbound_factor(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions) -> Any:
     sops = ops.scalars
     if fan < 1:
         raise ValueError(f"fan must be >= 1, got {fan}")
-    if math.prod(gy.shape) == 0 or math.prod(w.shape) == 0:
+    if math.prod(gy.shape) == 0 or ws.size == 0:
         return sops.const(1.0)
     u_min, u_max = opts.range_for(gy.dtype)
-    s, ok = _UNBOUND[opts.method](ops, gy, w, fan, opts, u_min, u_max, axes)
+    s, ok = _UNBOUND[opts.method](ops, gy, ws, fan, opts, u_min, u_max)
     usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
     return sops.where(usable, s, sops.const(1.0))
 
@@ -205,6 +257,8 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
                      axes: tuple[int, int] | None = None) -> Any:
     """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
 
+    ``weight`` is the layer's weight or its :func:`weight_statistics` (needed on refresh iterations only).
+
     ``state`` is a :class:`~.scale_schedule.ScaleSchedule` (its :meth:`~.scale_schedule.ScaleSchedule.scale_arrays`
     and ``origin_slot``). Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations
     (reuses it otherwise), caps the scale the layers created counting from the output point's scale, and writes
@@ -223,7 +277,7 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     ops = ops_for(gy)
     with ops.quiet():
         if state.refresh:
-            unbound = _unbound_factor(ops, gy, weight, fan, opts, axes)
+            unbound = _unbound_factor(ops, gy, _statistics_of(weight, opts, axes), fan, opts)
             unbound_factors[index] = unbound
         else:
             unbound = unbound_factors[index]

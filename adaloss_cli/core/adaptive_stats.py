@@ -22,7 +22,7 @@ from .array_ops import HOST, Float32Ops, ops_for
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
     "element_wise_extremes", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for", "underflow_fraction",
-    "underflow_k", "abs_extremes", "abs_max_value",
+    "underflow_k", "abs_extremes", "abs_max_value", "per_index_extremes", "element_wise_extremes_from",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -188,12 +188,23 @@ def element_wise_extremes(gy: Any, w: Any, axes: tuple[int, int] = LINEAR_AXES) 
     non-zero; NaN in an operand propagates.
     """
     ops = Float32Ops(gy, w)
+    return element_wise_extremes_from(ops, gy, axes[0], per_index_extremes(ops, w, axes[1]))
+
+
+def per_index_extremes(ops: Float32Ops, w: Any, axis: int) -> tuple[Any, Any]:
+    """W's side of :func:`element_wise_extremes`: per index of ``axis``, (min non-zero |W|, max |W|) as float32
+    arrays, which is all of W the exact extremes need."""
+    return nonzero_abs_min(ops, w, axis), abs_max(ops, w, axis)
+
+
+def element_wise_extremes_from(ops: Float32Ops, gy: Any, axis: int, w_extremes: tuple[Any, Any]) -> tuple[Any, Any]:
+    """:func:`element_wise_extremes` from gy (summed index on ``axis``) and W's :func:`per_index_extremes`."""
     xp = ops.xp
-    if gy.shape[axes[0]] != w.shape[axes[1]]:
-        raise ValueError(f"summed dimension differs: gy {tuple(gy.shape)} axis {axes[0]} vs "
-                         f"W {tuple(w.shape)} axis {axes[1]}")
-    g_lo, w_lo = nonzero_abs_min(ops, gy, axes[0]), nonzero_abs_min(ops, w, axes[1])
-    g_hi, w_hi = abs_max(ops, gy, axes[0]), abs_max(ops, w, axes[1])
+    w_lo, w_hi = w_extremes
+    if gy.shape[axis] != w_lo.shape[0]:
+        raise ValueError(f"summed dimension differs: gy {tuple(gy.shape)} axis {axis} has {gy.shape[axis]} "
+                         f"entries, W has {w_lo.shape[0]}")
+    g_lo, g_hi = nonzero_abs_min(ops, gy, axis), abs_max(ops, gy, axis)
     # A k with no non-zero gy (or W) has an infinite minimum, so its (dropped) pairs never win the min.
     with ops.quiet():
         lo = xp.min(g_lo * w_lo)

@@ -33,7 +33,8 @@ from torch import nn
 from torch.autograd import Variable
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import AdaptiveOptions, branch_scale_step, layer_scale_step, output_scale_step
+from adaloss_cli.core.adaptive import (EXACT_WEIGHT_METHODS, AdaptiveOptions, WeightStatistics, branch_scale_step,
+                                       layer_scale_step, output_scale_step, weight_statistics)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 from adaloss_cli.core.array_ops import host_view, torch_cpu_on_host
 from adaloss_cli.core.scale_schedule import ScaleSchedule
@@ -240,21 +241,32 @@ class ScaleOutput(nn.Module):
             if self.multiplier is not None:
                 node.register_prehook(functools.partial(_multiply_prehook, self.multiplier, y.output_nr))
             return y
-        node.register_prehook(functools.partial(self._prehook, weight=weight, index=y.output_nr))
+        # The hook never holds the low-precision weight: that would keep it alive into the backward (the first
+        # layer's backward does not need its weight, so without adaptive scaling it is freed after the forward).
+        # Methods that need its exact values take its statistics here, where it exists anyway; approx_range takes
+        # them from the layer's own parameter in the backward (see EXACT_WEIGHT_METHODS).
+        statistics = None
+        if state.refresh and state.options.method in EXACT_WEIGHT_METHODS:
+            statistics = weight_statistics(weight.detach(), state.options, self.axes)
+        node.register_prehook(functools.partial(self._prehook, statistics=statistics, index=y.output_nr))
         return y
 
-    def _prehook(self, grad_outputs: tuple, weight: torch.Tensor, index: int) -> tuple | None:
+    def _prehook(self, grad_outputs: tuple, statistics: WeightStatistics | None, index: int) -> tuple | None:
         gy = grad_outputs[index]
-        result = self.scale_gradient(gy, weight)
+        result = self.scale_gradient(gy, statistics)
         if result is gy:
             return None  # unchanged (factor 1, or measure-only)
         grads = list(grad_outputs)
         grads[index] = result
         return tuple(grads)
 
-    def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
+    def scale_gradient(self, gy: torch.Tensor, weight: torch.Tensor | WeightStatistics | None) -> torch.Tensor:
+        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot. ``weight`` (the weight or
+        its statistics) is used on refresh iterations only; None takes the layer's parameter (float32 master
+        weights in mixed precision)."""
         state = self.state
+        if weight is None and state.refresh:
+            weight = self.layer.weight.detach()
         state.begin_backward()
         factor = layer_scale_step(state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan, self.axes)
         _keep_multiplier(self, factor)
