@@ -27,15 +27,10 @@ noise that slows a whole round; its spread over repeats (each repeat's ratio) sh
 ``adaptive-100`` recomputes its statistics on one step in 100, which a median never sees, so it is also reported
 amortised: ``r(adaptive-100) + (r(adaptive-1) - r(adaptive-100)) / 100``; its goal is checked on that.
 
-Peak memory: each (model, variant) runs in a fresh process (RSS is process-wide, and allocator caches would carry
-over), forked from a multiprocessing forkserver that has imported torch and adaloss but computed nothing. It builds the
-same data and initial weights, runs the variant for two steps on a 2-example batch (so kernel code pages and thread
-pools are loaded: ``--memory-cold`` counts them too), records a baseline, builds the variant and runs a few steps.
-CUDA: ``max_memory_allocated`` minus the allocated bytes at the baseline. CPU: the peak resident set (VmHWM,
-reset through /proc/self/clear_refs at the baseline) minus the resident set at the baseline, with glibc's malloc told
-to hand freed blocks back (MALLOC_MMAP_THRESHOLD_=65536, MALLOC_TRIM_THRESHOLD_=0; without them identical runs
-differ by tens of MB); where VmHWM cannot be reset, ``ru_maxrss`` is used (an earlier high-water mark hides smaller
-peaks).
+Peak memory (``benchmarks.memory``): each (model, variant) runs in a fresh process, from a baseline taken after a
+warm-up on a 2-example batch. The goal is checked on the peak of live tensor bytes (CUDA ``max_memory_allocated``;
+on CPU the same quantity from torch's profiler allocation events); on CPU the peak resident set is printed beside it,
+for information: it also counts Python objects and allocator slack, which on a 2 MB model vary by 20% run to run.
 
 Exit status 0 whatever the numbers (it is a measurement); ``--strict`` exits 1 when a goal is missed.
 """
@@ -43,7 +38,6 @@ Exit status 0 whatever the numbers (it is a measurement); ``--strict`` exits 1 w
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import math
@@ -53,14 +47,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100")
-REFERENCE = "gradscaler"
-NUM_CLASSES = 10
-DATA_BATCHES = 4  # distinct synthetic batches, cycled; every variant sees the same one at the same step
+from benchmarks.memory import RSS, TENSORS, measure_memory
+from benchmarks.workloads import REFERENCE, VARIANTS, Runner, Workload, build_initial, synchronizer, workload_for
 
 # The issue's goals: (variant, quantity, limit).
 TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03}
@@ -70,128 +62,11 @@ MEMORY_CHECKED = ("dynamic", "adaptive-1", "adaptive-100")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-# -- workloads --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Workload:
-    """One model's benchmark configuration."""
-    model: str
-    input_shape: tuple[int, int, int]
-    batch_size: int
-    warmup: int
-    steps: int
-    repeats: int
-    hidden_sizes: tuple[int, ...] | None = None  # mlp
-    width: int | None = None                      # cnn / resnet / vgg
-    memory_steps: int = 3
-
-
-_DEFAULTS: dict[tuple[str, str], dict[str, Workload]] = {
-    # About 4-5 minutes in all on 2 CPU cores with one thread: float16 convolutions on CPU take torch's slow
-    # (im2col) path, about 3 s per ResNet-20 step at batch 32, so ResNet-20 gets 16 timed steps per variant.
-    ("cpu", "default"): {
-        "mlp": Workload("mlp", (1, 28, 28), 128, warmup=5, steps=40, repeats=5, hidden_sizes=(128, 128)),
-        "resnet20": Workload("resnet20", (3, 32, 32), 32, warmup=1, steps=4, repeats=4, width=16, memory_steps=2),
-    },
-    ("cuda", "default"): {
-        "mlp": Workload("mlp", (1, 28, 28), 256, warmup=20, steps=50, repeats=5, hidden_sizes=(128, 128)),
-        "resnet20": Workload("resnet20", (3, 32, 32), 128, warmup=10, steps=25, repeats=5, width=16),
-    },
-    ("cpu", "quick"): {
-        "mlp": Workload("mlp", (1, 8, 8), 16, warmup=1, steps=4, repeats=1, hidden_sizes=(32, 32), memory_steps=2),
-        "resnet20": Workload("resnet20", (3, 8, 8), 4, warmup=1, steps=2, repeats=1, width=4, memory_steps=2),
-    },
-}
-_DEFAULTS[("cuda", "quick")] = _DEFAULTS[("cpu", "quick")]
-
-
-def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace) -> Workload:
-    """The default workload of ``model`` on ``device``, with the command line's overrides applied."""
-    table = _DEFAULTS[(device, "quick" if quick else "default")]
-    base = table.get(model) or replace(table["resnet20"], model=model, width=None)
-    overrides = {key: getattr(args, key) for key in ("batch_size", "warmup", "steps", "repeats")
-                 if getattr(args, key) is not None}
-    return replace(base, **overrides)
-
-
-# -- one training step per variant -------------------------------------------------------------------------------
-
-class Runner:
-    """One variant's model copy, optimizer and scaler, and its training step."""
-
-    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01) -> None:
-        import torch
-        from adaloss_cli.backends.torch.precision import MixedPrecisionForward
-        from adaloss_cli.backends.torch.scaler import LossScaler
-
-        self.variant = variant
-        if variant == "gradscaler":
-            self.model = copy.deepcopy(initial)
-            self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
-        elif variant == "dynamic":
-            self.model = copy.deepcopy(initial)
-            self.scaler = LossScaler(self.model, "dynamic")
-        elif variant.startswith("adaptive-"):
-            # LossScaler deep-copies the model before transforming it, so ``initial`` stays untouched.
-            self.scaler = LossScaler(initial, "adaptive", update_per_n_iteration=int(variant.split("-", 1)[1]))
-            self.model = self.scaler.model
-        else:
-            raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
-        self.model.train()
-        self.forward = MixedPrecisionForward(self.model, dtype)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
-        self._cross_entropy = torch.nn.functional.cross_entropy
-
-    def step(self, x: Any, y: Any) -> None:
-        """One training step as the torch backend does it (without reading the loss back)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._cross_entropy(self.forward(self.model, x), y)
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-
-    def summary(self) -> dict[str, Any]:
-        """Final global scale, and the skipped steps where the scaler counts them."""
-        info: dict[str, Any] = {"final_scale": float(self.scaler.get_scale())}
-        policy = getattr(self.scaler, "policy", None)
-        if policy is not None:
-            info["skipped_steps"] = int(policy.skipped_steps)
-        return info
-
-
-def build_initial(work: Workload, device: str, seed: int = 0):
-    """The seeded initial float32 model and the synthetic batches (on ``device``)."""
-    import torch
-    from adaloss_cli.backends.torch.models import build_model
-    from adaloss_cli.config.schema import ModelConfig
-
-    cfg: dict[str, Any] = {"name": work.model}
-    if work.hidden_sizes is not None:
-        cfg["hidden_sizes"] = tuple(work.hidden_sizes)
-    if work.width is not None:
-        cfg["width"] = work.width
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(**cfg), tuple(work.input_shape), NUM_CLASSES).to(device)
-    gen = torch.Generator().manual_seed(seed + 1)
-    xs = torch.randn((DATA_BATCHES, work.batch_size, *work.input_shape), generator=gen)
-    ys = torch.randint(0, NUM_CLASSES, (DATA_BATCHES, work.batch_size), generator=gen)
-    batches = [(xs[i].to(device), ys[i].to(device)) for i in range(DATA_BATCHES)]
-    return model, batches
-
-
-def _synchronizer(device: str) -> Callable[[], None]:
-    import torch
-    if device.startswith("cuda"):
-        return torch.cuda.synchronize
-    return lambda: None
-
-
 # -- timing ---------------------------------------------------------------------------------------------------------
 
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str) -> dict[str, list]:
     """Per-step seconds of every variant, one list per repeat; variants interleaved step by step."""
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     names = list(runners)
     k = 0
     for _ in range(work.warmup):
@@ -260,124 +135,13 @@ def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, 
     return out
 
 
-# -- memory (fresh subprocess per variant) ----------------------------------------------------------------------------
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run in a fresh process: the peak memory one variant adds on top of the data and the initial model."""
-    import resource
-
-    import torch
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    work = Workload(**{**spec["workload"], "input_shape": tuple(spec["workload"]["input_shape"])})
-    device, variant = spec["device"], spec["variant"]
-    initial, batches = build_initial(work, device)
-    cuda = device.startswith("cuda")
-    if spec.get("prewarm", True):
-        # Load every kernel and library this variant uses (code pages, thread pools, one-time initialisation) on a
-        # two-example batch first, so that the measurement below counts tensors, not process start-up.
-        small = [(x[:2], y[:2]) for x, y in batches[:2]]
-        warm = Runner(variant, initial, spec["dtype"], device)
-        for x, y in small:
-            warm.step(x, y)
-        del warm, small
-    gc.collect()
-    method = "cuda.max_memory_allocated"
-    if cuda:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        exact = _reset_hwm()
-        method = "VmHWM" if exact else "ru_maxrss"
-        base = _rss_bytes()
-    runner = Runner(variant, initial, spec["dtype"], device)
-    for k in range(work.memory_steps):
-        runner.step(*batches[k % len(batches)])
-    if cuda:
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        hwm = _hwm_bytes() if method == "VmHWM" else None
-        peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak_bytes": max(peak - base, 0), "baseline_bytes": base, "method": method,
-            "malloc_env": {key: os.environ.get(key) for key in _MALLOC_ENV}}
-
-
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-_PRELOAD = ["torch", "torch.fx", "benchmarks.step_time", "adaloss_cli.backends.torch.models",
-            "adaloss_cli.backends.torch.precision", "adaloss_cli.backends.torch.scaler"]
-
-
-def measure_memory(probes: dict[tuple[str, str], dict[str, Any]], jobs: int) -> dict[tuple[str, str], dict]:
-    """Run every probe spec in a fresh process, ``jobs`` at a time; returns each one's result (or its error).
-
-    The processes are forked from a multiprocessing forkserver that has imported torch and adaloss but run no
-    computation (so no thread pool or device state is inherited); each runs one probe and exits.
-    """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    if str(_REPO_ROOT) not in sys.path:  # the forkserver imports with the parent's sys.path
-        sys.path.insert(0, str(_REPO_ROOT))
-    # glibc's malloc keeps freed memory and moves its mmap threshold up as blocks are freed, so two identical runs
-    # can differ by tens of MB of RSS. A fixed threshold and trimming make RSS follow the live allocations. The
-    # forkserver (a new process) reads these at start-up, and its children inherit the setting.
-    saved = {key: os.environ.get(key) for key in _MALLOC_ENV}
-    for key, value in _MALLOC_ENV.items():
-        os.environ.setdefault(key, value)
-    results: dict[tuple[str, str], dict] = {}
-    try:
-        with ProcessPoolExecutor(max_workers=max(jobs, 1), mp_context=ctx, max_tasks_per_child=1) as pool:
-            futures = {key: pool.submit(memory_probe, spec) for key, spec in probes.items()}
-            for key, future in futures.items():
-                try:
-                    results[key] = future.result()
-                except Exception as err:  # a failed probe is reported in the table, not fatal
-                    results[key] = {"error": f"{type(err).__name__}: {err}"}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return results
-
-
 # -- profiling (optional) ----------------------------------------------------------------------------------------------
 
 def profile_variants(runners: dict[str, Runner], batches: list, device: str, steps: int, rows: int = 15) -> None:
     """torch.profiler's top operators (by self time) over ``steps`` steps of every variant."""
     from torch.profiler import ProfilerActivity, profile
 
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     for name, runner in runners.items():
@@ -403,18 +167,21 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
     print(f"\n== {work.model}: input {shape}, batch {work.batch_size}, {dtype} on {device}; "
           f"{any_row['steps']} timed steps per variant ({work.repeats} repeats x {work.steps}, "
           f"warmup {work.warmup}), interleaved")
-    ref_mem = memory.get(REFERENCE, {}).get("peak_bytes")
+    ref_mem = memory.get(REFERENCE, {}).get(TENSORS, {}).get("peak_bytes")
+    ref_rss = memory.get(REFERENCE, {}).get(RSS, {}).get("peak_bytes")
     header = (f"{'variant':<14}{'ms/step':>10}{'ratio':>8}{'repeat range':>16}{'peak MB':>10}{'mem ratio':>11}"
-              f"  notes")
+              f"{'RSS MB':>9}{'RSS ratio':>11}  notes")
     print(header)
     print("-" * len(header))
     for name, row in timing.items():
         mem = memory.get(name, {})
-        peak = mem.get("peak_bytes")
+        peak, rss = mem.get(TENSORS, {}).get("peak_bytes"), mem.get(RSS, {}).get("peak_bytes")
         mem_ratio = peak / ref_mem if peak is not None and ref_mem else None
+        rss_ratio = rss / ref_rss if rss is not None and ref_rss else None
         if peak is not None:
-            row["peak_mb"] = peak / 2**20
-            row["mem_ratio"] = mem_ratio
+            row["peak_mb"], row["mem_ratio"] = peak / 2**20, mem_ratio
+        if rss is not None:
+            row["rss_mb"], row["rss_ratio"] = rss / 2**20, rss_ratio
         spread = (f"{row['repeat_ratio_min']:.3f}-{row['repeat_ratio_max']:.3f}"
                   if "repeat_ratio_min" in row else "-")
         notes = []
@@ -425,10 +192,10 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
             notes.append(f"final scale {info.get('final_scale', float('nan')):g}")
         if info.get("skipped_steps"):
             notes.append(f"{info['skipped_steps']} skipped steps")
-        if "error" in mem:
-            notes.append(f"memory probe failed: {mem['error']}")
+        notes += [f"{measure} probe failed: {probe['error']}" for measure, probe in mem.items() if "error" in probe]
         print(f"{name:<14}{_fmt(row['ms_median'], '.2f', 10)}{_fmt(row.get('ratio'), '.3f', 8)}{spread:>16}"
-              f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}  {'; '.join(notes)}")
+              f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}"
+              f"{_fmt(row.get('rss_mb'), '.2f', 9)}{_fmt(rss_ratio, '.3f', 11)}  {'; '.join(notes)}")
     checks = []
     for name, limit in TIME_GOALS.items():
         row = timing.get(name)
@@ -442,7 +209,7 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
         row = timing.get(name)
         if row is not None and row.get("mem_ratio") is not None:
             delta = row["peak_mb"] - timing[REFERENCE]["peak_mb"]
-            checks.append({"model": work.model, "goal": f"{name}/{REFERENCE} peak memory ({delta:+.2f} MB)",
+            checks.append({"model": work.model, "goal": f"{name}/{REFERENCE} peak tensor memory ({delta:+.2f} MB)",
                            "value": row["mem_ratio"], "limit": MEMORY_GOAL})
     for check in checks:
         check["pass"] = bool(check["value"] <= check["limit"])
@@ -562,12 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.memory_jobs or ((os.cpu_count() or 1) if kind == "cpu" else 1)
     results: dict[str, Any] = {"environment": env, "arguments": vars(args), "models": {}, "checks": []}
     works = {name: workload_for(name, kind, args.quick, args) for name in args.models}
-    probes = {(model, variant): {"workload": asdict(work), "variant": variant, "device": args.device,
-                                 "dtype": args.dtype, "threads": args.threads, "prewarm": not args.memory_cold}
-              for model, work in works.items() for variant in args.variants}
+    measures = (TENSORS,) if kind == "cuda" else (TENSORS, RSS)
+    probes = {(model, variant, measure): {"workload": asdict(work), "variant": variant, "device": args.device,
+                                          "dtype": args.dtype, "threads": args.threads, "measure": measure,
+                                          "prewarm": not args.memory_cold}
+              for model, work in works.items() for variant in args.variants for measure in measures}
     memory_all = {} if args.no_memory else measure_memory(probes, jobs)
     for model_name, work in works.items():
-        memory = {variant: memory_all[(m, variant)] for (m, variant) in memory_all if m == model_name}
+        memory: dict[str, dict[str, Any]] = {}
+        for (m, variant, measure), result in memory_all.items():
+            if m == model_name:
+                memory.setdefault(variant, {})[measure] = result
         initial, batches = build_initial(work, args.device)
         runners = {name: Runner(name, initial, args.dtype, args.device) for name in args.variants}
         times = time_variants(runners, batches, work, args.device)

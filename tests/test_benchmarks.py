@@ -43,3 +43,23 @@ def test_chainer_benchmark_runs_through_the_same_command():
 def test_all_refuses_options_it_cannot_pass_to_both():
     done = run_benchmarks("--backend", "all", "--no-memory")
     assert done.returncode == 2 and "--no-memory" in done.stderr
+
+
+def test_cpu_tensor_peak_counts_the_live_bytes_of_tensors_allocated_while_it_runs():
+    """The CPU memory goal is checked on this number: the bytes held, at the worst moment, by tensors the measured
+    code allocated (tensors from before do not count, and a free is credited at the moment it happens)."""
+    import torch
+
+    from benchmarks.memory import cpu_tensor_peak
+    older = torch.empty(10_000)  # live throughout: not the measured code's
+
+    def run():
+        a = torch.empty(1000)           # 4000 bytes live
+        b = torch.empty(2000)           # 12000: the peak
+        del a                           # 8000
+        c = torch.empty(500)            # 10000
+        d = older.clone()               # 10000 + 40000 bytes
+        del b, c, d
+
+    assert cpu_tensor_peak(lambda: None) == 0
+    assert cpu_tensor_peak(run) == 50_000

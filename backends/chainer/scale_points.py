@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (AdaptiveOptions, branch_scale_step, layer_scale_step,
+from adaloss_cli.core.adaptive import (EXACT_WEIGHT_METHODS, AdaptiveOptions, branch_scale_step, layer_scale_step,
                                        output_scale_step)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
 from adaloss_cli.core.scale_schedule import ScaleSchedule
@@ -136,18 +136,23 @@ class ScaleState(ScaleSchedule):
 
 
 class ScalePoint:
-    """A Linear/Convolution2D link's persistent scale-point record: its index, slot and fan."""
+    """A Linear/Convolution2D link's persistent scale-point record: its index, slot, fan and weight parameter."""
 
     def __init__(self, state: ScaleState, index: int, name: str, kind: str, fan: int, axes: tuple[int, int],
-                 in_slot: int) -> None:
+                 in_slot: int, parameter: Any = None) -> None:
         self.state, self.index, self.name, self.kind, self.fan, self.axes = state, index, name, kind, fan, axes
         self.in_slot = in_slot
+        self.parameter = parameter
 
     def scale_gradient(self, gy: Any, weight: Any, out_slot: int) -> Any:
-        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot."""
-        if self.state.reference_pass:
+        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot. ``weight`` (used on
+        refresh iterations) is the weight's array; None takes the link's parameter (the float32 master)."""
+        state = self.state
+        if state.reference_pass:
             return gy
-        factor = layer_scale_step(self.state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes)
+        if weight is None and state.refresh:
+            weight = self.parameter.array
+        factor = layer_scale_step(state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes)
         if factor is None or is_host_one(factor):
             return gy
         return gy * factor.astype(gy.dtype)
@@ -177,7 +182,11 @@ class _ScaledNode:
     def backward(self, indexes, grad_outputs):
         (gy,) = grad_outputs
         if gy is not None:
-            weight = self.get_retained_inputs()[1].array
+            # The low-precision weight computed with, for methods that need its exact values; approx_range reads
+            # the link's parameter, as the PyTorch backend does (see EXACT_WEIGHT_METHODS).
+            options = self.point.state.options
+            exact = options is not None and options.method in EXACT_WEIGHT_METHODS
+            weight = self.get_retained_inputs()[1].array if exact else None
             gy = _variable(self.point.scale_gradient(gy.array, weight, self.out_slot))
         return super().backward(indexes, (gy,))
 

@@ -203,7 +203,7 @@ def transform_links(model: Any, options: AdaptiveOptions | None = None, init_sca
     points = []
     for index, (name, link, slot) in enumerate(points_spec):
         kind, fan, axes = _fan_and_axes(link)
-        point = ScalePoint(state, index, name, kind, fan, axes, slot)
+        point = ScalePoint(state, index, name, kind, fan, axes, slot, link.W)
         link.__class__ = _SCALED[type(link)]
         link.adaloss_point = point
         points.append(point)

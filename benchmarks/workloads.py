@@ -1,0 +1,131 @@
+"""What the PyTorch benchmarks run: the variants, their default workloads, and one training step of each.
+
+Every variant runs the training step of the torch backend (``backends/torch/adapter.py``) on ONE set of seeded
+initial weights and the same synthetic batches; see ``benchmarks.step_time`` for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100")
+REFERENCE = "gradscaler"
+NUM_CLASSES = 10
+DATA_BATCHES = 4  # distinct synthetic batches, cycled; every variant sees the same one at the same step
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model's benchmark configuration."""
+    model: str
+    input_shape: tuple[int, int, int]
+    batch_size: int
+    warmup: int
+    steps: int
+    repeats: int
+    hidden_sizes: tuple[int, ...] | None = None  # mlp
+    width: int | None = None                      # cnn / resnet / vgg
+    memory_steps: int = 3
+
+
+_DEFAULTS: dict[tuple[str, str], dict[str, Workload]] = {
+    # About 4-5 minutes in all on 2 CPU cores with one thread: float16 convolutions on CPU take torch's slow
+    # (im2col) path, about 3 s per ResNet-20 step at batch 32, so ResNet-20 gets 16 timed steps per variant.
+    ("cpu", "default"): {
+        "mlp": Workload("mlp", (1, 28, 28), 128, warmup=5, steps=40, repeats=5, hidden_sizes=(128, 128)),
+        "resnet20": Workload("resnet20", (3, 32, 32), 32, warmup=1, steps=4, repeats=4, width=16, memory_steps=2),
+    },
+    ("cuda", "default"): {
+        "mlp": Workload("mlp", (1, 28, 28), 256, warmup=20, steps=50, repeats=5, hidden_sizes=(128, 128)),
+        "resnet20": Workload("resnet20", (3, 32, 32), 128, warmup=10, steps=25, repeats=5, width=16),
+    },
+    ("cpu", "quick"): {
+        "mlp": Workload("mlp", (1, 8, 8), 16, warmup=1, steps=4, repeats=1, hidden_sizes=(32, 32), memory_steps=2),
+        "resnet20": Workload("resnet20", (3, 8, 8), 4, warmup=1, steps=2, repeats=1, width=4, memory_steps=2),
+    },
+}
+_DEFAULTS[("cuda", "quick")] = _DEFAULTS[("cpu", "quick")]
+
+
+def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace) -> Workload:
+    """The default workload of ``model`` on ``device``, with the command line's overrides applied."""
+    table = _DEFAULTS[(device, "quick" if quick else "default")]
+    base = table.get(model) or replace(table["resnet20"], model=model, width=None)
+    overrides = {key: getattr(args, key) for key in ("batch_size", "warmup", "steps", "repeats")
+                 if getattr(args, key) is not None}
+    return replace(base, **overrides)
+
+
+class Runner:
+    """One variant's model copy, optimizer and scaler, and its training step."""
+
+    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01) -> None:
+        import torch
+        from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+        from adaloss_cli.backends.torch.scaler import LossScaler
+
+        self.variant = variant
+        if variant == "gradscaler":
+            self.model = copy.deepcopy(initial)
+            self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
+        elif variant == "dynamic":
+            self.model = copy.deepcopy(initial)
+            self.scaler = LossScaler(self.model, "dynamic")
+        elif variant.startswith("adaptive-"):
+            # LossScaler deep-copies the model before transforming it, so ``initial`` stays untouched.
+            self.scaler = LossScaler(initial, "adaptive", update_per_n_iteration=int(variant.split("-", 1)[1]))
+            self.model = self.scaler.model
+        else:
+            raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
+        self.model.train()
+        self.forward = MixedPrecisionForward(self.model, dtype)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+        self._cross_entropy = torch.nn.functional.cross_entropy
+
+    def step(self, x: Any, y: Any) -> None:
+        """One training step as the torch backend does it (without reading the loss back)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._cross_entropy(self.forward(self.model, x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def summary(self) -> dict[str, Any]:
+        """Final global scale, and the skipped steps where the scaler counts them."""
+        info: dict[str, Any] = {"final_scale": float(self.scaler.get_scale())}
+        policy = getattr(self.scaler, "policy", None)
+        if policy is not None:
+            info["skipped_steps"] = int(policy.skipped_steps)
+        return info
+
+
+def build_initial(work: Workload, device: str, seed: int = 0):
+    """The seeded initial float32 model and the synthetic batches (on ``device``)."""
+    import torch
+    from adaloss_cli.backends.torch.models import build_model
+    from adaloss_cli.config.schema import ModelConfig
+
+    cfg: dict[str, Any] = {"name": work.model}
+    if work.hidden_sizes is not None:
+        cfg["hidden_sizes"] = tuple(work.hidden_sizes)
+    if work.width is not None:
+        cfg["width"] = work.width
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(**cfg), tuple(work.input_shape), NUM_CLASSES).to(device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    xs = torch.randn((DATA_BATCHES, work.batch_size, *work.input_shape), generator=gen)
+    ys = torch.randint(0, NUM_CLASSES, (DATA_BATCHES, work.batch_size), generator=gen)
+    batches = [(xs[i].to(device), ys[i].to(device)) for i in range(DATA_BATCHES)]
+    return model, batches
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What makes a clock read mean "the device has finished": CUDA synchronisation, nothing on CPU."""
+    import torch
+    if device.startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
