@@ -85,6 +85,36 @@ def test_adaptive_get_scale_is_the_init_scale_and_the_transformed_model_is_used(
     assert LossScaler(model, "dynamic").model is model
 
 
+@pytest.mark.parametrize("bad_where", ["model", "extra"])
+def test_adaptive_step_is_skipped_for_a_non_finite_gradient_in_the_model_or_outside_it(bad_where):
+    """The model's gradients are checked for overflow as backward unscales them; a parameter the optimizer holds
+    besides the model's is checked (and divided by the loss scale) in ``unscale_``. Either kind of NaN skips the
+    step, and the next iteration starts from a clean flag."""
+    torch.manual_seed(0)
+    scaler = LossScaler(MLP(16, [8], 3), "adaptive", init_scale=4.0)
+    model = scaler.model
+    extra = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD(list(model.parameters()) + [extra], lr=0.1)
+    x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def iteration(poison: bool) -> bool:
+        optimizer.zero_grad()
+        bad = float("nan") if poison and bad_where == "model" else 1.0
+        loss = F.cross_entropy(model(x * bad), y) + (extra * 3.0).sum()
+        scaler.scale(loss).backward()
+        if poison and bad_where == "extra":
+            extra.grad[0] = float("inf")
+        stepped = scaler.step(optimizer)
+        scaler.update()
+        return stepped
+
+    assert iteration(poison=True) is False
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "a skipped step changed weights"
+    assert iteration(poison=False) is True
+    assert torch.allclose(extra.grad, torch.full((2,), 3.0)), "the extra parameter's gradient was not unscaled"
+
+
 @pytest.mark.parametrize("method, options, key", [
     ("adaptive", {"loss_scale_methd": "abs_range"}, "loss_scale_methd"),
     ("adaptive", {"loss_scale_method": "bogus"}, "loss_scale_method"),

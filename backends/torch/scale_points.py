@@ -25,6 +25,7 @@ writes, so at run time nodes only index the table: no device-to-host read anywhe
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,9 @@ class ScaleState(nn.Module, ScaleSchedule):
         self.register_buffer("unbound", torch.ones(num_points), persistent=False)
         self.register_buffer("factor", torch.ones(num_points), persistent=False)
         self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
+        #: Non-zero once a parameter gradient unscaled at the end of a backward pass was not finite (reset by
+        #: :meth:`finish_iteration`): the overflow check of those gradients, fused with their unscaling.
+        self.register_buffer("found_inf", torch.zeros(1), persistent=False)
         self.table.fill_(init_scale)
         self.note_origin_scale(init_scale)
         #: Each parameter and the slot of the scale its gradient carries: its gradient is divided by that scale when
@@ -120,35 +124,53 @@ class ScaleState(nn.Module, ScaleSchedule):
         Variable._execution_engine.queue_callback(self._unscale_parameter_grads)
 
     def _unscale_parameter_grads(self) -> None:
-        """End of a backward pass: divide the new gradients by their scales (one multi-tensor call per distinct
-        scale), add back the held ones."""
+        """End of a backward pass: unscale the new gradients and check them for overflow in one pass (torch's
+        fused GradScaler kernel, one call per distinct scale, multiplying by the exact reciprocal of a power of
+        two; other scales are divided, then checked), then add back the held ones."""
         run = self._run
         if run.divisions is None or not self.reuse:  # the scales this pass used are new
             run.divisions = self._divisions()
-        for divisor, params in run.divisions:
+        for inverse, divisor, params in run.divisions:
             grads = [p.grad for p in params if p.grad is not None]
-            if grads:
+            if not grads:
+                continue
+            if divisor is not None:
                 torch._foreach_div_(grads, divisor)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inverse)
         for p, held in run.held:
             p.grad = held if p.grad is None else p.grad.add_(held)
         run.held = []
 
-    def _divisions(self) -> list[tuple[Any, list[nn.Parameter]]]:
-        """The parameters of :attr:`param_slots` grouped by what their gradients are divided by: equal host scales
-        share one group and a scale of 1 needs none; on a device, one group per slot (its 0-d table entry)."""
+    def _divisions(self) -> list[tuple[torch.Tensor, Any, list[nn.Parameter]]]:
+        """The parameters of :attr:`param_slots` grouped by the scale their gradients carry, each group with the
+        1-element factor the fused kernel multiplies by and, for a scale that is not a power of two, the divisor
+        applied first: equal host scales share one group; on a device, one group per slot."""
         table = self.scale_arrays()[0]
+        on_host = isinstance(table, np.ndarray)
         groups: dict[Any, list[nn.Parameter]] = {}
         for p, slot in self.param_slots:
-            if isinstance(table, np.ndarray):
-                key = float(table[slot])
-                if key == 1.0:
-                    continue
-            else:
-                key = slot
-            groups.setdefault(key, []).append(p)
-        if isinstance(table, np.ndarray):
-            return list(groups.items())
-        return [(table[slot], params) for slot, params in groups.items()]
+            groups.setdefault(float(table[slot]) if on_host else slot, []).append(p)
+        if not on_host:  # no host read: the reciprocal is exact when the scale is a power of two (the default)
+            return [(torch.reciprocal(table[slot:slot + 1]), None, params) for slot, params in groups.items()]
+        divisions = []
+        for scale, params in groups.items():
+            exact = math.frexp(scale)[0] == 0.5  # a power of two: multiplying by 1/scale is exact
+            inverse = torch.full((1,), 1.0 / scale if exact else 1.0, device=self.found_inf.device)
+            divisions.append((inverse, None if exact else scale, params))
+        return divisions
+
+    def checked_parameters(self) -> frozenset[int]:
+        """Ids of the parameters whose gradients each backward pass unscales and checks for overflow into
+        :attr:`found_inf` (empty when per-parameter hooks unscale them, or nothing does)."""
+        run = self._run
+        if run.param_ids is None:
+            run.param_ids = frozenset(id(p) for p, _ in self.param_slots)
+        return run.param_ids
+
+    def finish_iteration(self, retry: bool) -> None:
+        """As :meth:`ScaleSchedule.finish_iteration`, and the fused overflow flag starts again from zero."""
+        super().finish_iteration(retry)
+        self.found_inf.zero_()
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
@@ -167,13 +189,14 @@ class _BackwardRun:
     """What one backward pass tracks (its graph task, the gradients held aside), and what passes that reuse the
     stored factors can reuse too: the array views and the parameter-gradient divisions."""
 
-    __slots__ = ("task", "held", "arrays", "divisions")
+    __slots__ = ("task", "held", "arrays", "divisions", "param_ids")
 
     def __init__(self) -> None:
         self.task: int | None = None
         self.held: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.arrays: tuple | None = None
         self.divisions: list | None = None
+        self.param_ids: frozenset[int] | None = None
 
 
 def scaled(g: torch.Tensor, factor: Any) -> torch.Tensor:

@@ -98,6 +98,7 @@ class LossScaler:
             self.model = model
         self.process_group = process_group
         self._found_inf: torch.Tensor | None = None
+        self._model_ids: frozenset[int] | None = None
         self._attempt = 0
         self.last_action: StepAction | None = None
         self.last_loss: float | None = None
@@ -112,9 +113,17 @@ class LossScaler:
         scale = self.policy.scale
         return loss if scale == 1.0 else loss * scale
 
-    def _grad_divisor(self) -> float:
-        """What parameter gradients are divided by after backward (adaptive gradients arrive unscaled)."""
-        return 1.0 if self.method == "adaptive" else self.policy.scale
+    def _grad_divisor(self, p: torch.Tensor) -> float:
+        """What ``p``'s gradient is divided by after backward: adaptive scaling unscales the gradients of its
+        model's parameters itself; any other gradient carries the loss scale."""
+        if self.method == "adaptive" and id(p) in self._model_parameter_ids():
+            return 1.0
+        return self.policy.scale
+
+    def _model_parameter_ids(self) -> frozenset[int]:
+        if self._model_ids is None:
+            self._model_ids = frozenset(id(p) for p in self.model.parameters())
+        return self._model_ids
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the loss scale in place and note whether any is not finite.
@@ -123,15 +132,19 @@ class LossScaler:
         """
         if self._found_inf is not None:
             return
+        # Adaptive scaling unscales and checks its model's gradients when each backward pass ends: only gradients
+        # it did not handle (parameters from elsewhere in the optimizer) are left to check here.
+        state = self._active_state() if self.method == "adaptive" else None
+        checked = state.checked_parameters() if state is not None else frozenset()
+        found = state.found_inf if checked else None
         grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    grads[(p.grad.device, p.grad.dtype)].append(p.grad)
-        found = None
-        for (device, _), tensors in grads.items():
+                if p.grad is not None and id(p) not in checked:
+                    grads[(p.grad.device, p.grad.dtype, self._grad_divisor(p))].append(p.grad)
+        for (device, _, divisor), tensors in grads.items():
             found_here = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / self._grad_divisor(), device=device)
+            inv = torch.full((1,), 1.0 / divisor, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, inv)
             found = found_here if found is None else found + found_here.to(found.device)
         self._found_inf = found if found is not None else torch.zeros(1)
