@@ -132,7 +132,7 @@ def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
 
 def _single_norm(torch: Any, x: Any) -> bool:
     """Whether torch's norm may take x whole: no widening, or not on CPU, or small enough to widen."""
-    return x.dtype in (torch.float32, torch.float64) or x.device.type != "cpu" or x.numel() <= CPU_CAST_CHUNK
+    return x.numel() <= CPU_CAST_CHUNK or x.dtype in (torch.float32, torch.float64) or x.device.type != "cpu"
 
 
 def _torch_norm(torch: Any, x: Any) -> Any:

@@ -23,33 +23,40 @@ class ScaleSchedule:
     """
 
     options: Any  # AdaptiveOptions, or None for measure-only
-    iteration: int
+    #: Whether factors are computed (False: measure-only).
+    adaptive: bool
+    #: Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration).
+    refresh: bool
+    #: Whether every factor and accumulated scale of the last full backward still holds, so that scale points only
+    #: apply their stored factors (no statistics, no bounds, no table writes).
+    reuse: bool
 
+    # The three flags are plain attributes, recomputed whenever what they depend on changes: scale points read them
+    # on every layer of every step, where a property's call cost more than the check.
     def init_schedule(self, options: Any) -> None:
         """Set the schedule's fields (call once from the subclass's ``__init__``)."""
         self.options = options
-        self.iteration = 0
+        self.adaptive = options is not None
         self.recording = False
         self.reference_pass = False
         self.reference: dict[int, Any] = {}
         self._tables_current = False
         self._origin_scale: float | None = None
+        self.iteration = 0
 
     @property
-    def adaptive(self) -> bool:
-        """Whether factors are computed (False: measure-only)."""
-        return self.options is not None
+    def iteration(self) -> int:
+        """Training iterations counted so far (update_per_n_iteration counts these)."""
+        return self._iteration
 
-    @property
-    def refresh(self) -> bool:
-        """Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration)."""
-        return self.options is not None and self.iteration % self.options.update_per_n_iteration == 0
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._iteration = value
+        self._update_flags()
 
-    @property
-    def reuse(self) -> bool:
-        """Whether every factor and accumulated scale of the last full backward still holds, so that scale points
-        only apply their stored factors (no statistics, no bounds, no table writes)."""
-        return self._tables_current and not self.refresh
+    def _update_flags(self) -> None:
+        self.refresh = self.adaptive and self._iteration % self.options.update_per_n_iteration == 0
+        self.reuse = self._tables_current and not self.refresh
 
     def scale_arrays(self) -> tuple[Any, Any, Any]:
         """(table, unbound, factor): the arrays the factor math reads scales from and writes them to. Backends whose
@@ -61,11 +68,12 @@ class ScaleSchedule:
         """The loss scale the next backward starts from; a change makes the stored accumulated scales stale."""
         if scale != self._origin_scale:
             self._origin_scale = scale
-            self._tables_current = False
+            self.mark_stale()
 
     def mark_stale(self) -> None:
         """The next backward recomputes every bound (after state was restored or edited from outside)."""
         self._tables_current = False
+        self._update_flags()
 
     def finish_iteration(self, retry: bool) -> None:
         """After the optimizer decision: drop recording state; count the iteration unless the batch is re-run.
@@ -75,5 +83,7 @@ class ScaleSchedule:
         self.recording = False
         self.reference.clear()
         self._tables_current = self.adaptive
-        if not retry:
+        if retry:
+            self._update_flags()
+        else:
             self.iteration += 1

@@ -289,7 +289,7 @@ class ScaleOutput(nn.Module):
         weights in mixed precision)."""
         state = self.state
         if weight is None and state.refresh:
-            weight = self.layer.weight.detach()
+            weight = self.layer.weight  # backward runs without grad mode: its statistics record no graph
         state.begin_backward()
         factor = layer_scale_step(state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan, self.axes)
         _keep_multiplier(self, factor)
