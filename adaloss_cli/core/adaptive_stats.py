@@ -164,6 +164,11 @@ def abs_extremes(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     if ops.is_numpy:  # a masked reduction: no second temporary
         lo = np.minimum.reduce(mag, axis=None, where=mag != np.float32(0.0), initial=np.float32(math.inf))
         return np.float32(lo), np.float32(np.maximum.reduce(mag, axis=None))
+    if ops.is_torch and ops.host_scalars:  # the values are on the host: mask only when there is a zero to skip
+        lo, hi = (ops.scalar(v) for v in ops.native.aminmax(mag))
+        if float(lo) == 0.0:  # (NaN compares unequal: it propagates as it is)
+            lo = ops.scalar(ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min())
+        return lo, hi
     lo, hi = ops.where(mag == ops.const(0.0), ops.const(math.inf), mag).min(), mag.max()
     return (ops.scalar(lo), ops.scalar(hi)) if ops.host_scalars else (lo, hi)
 

@@ -77,6 +77,7 @@ class ScaleState(nn.Module, ScaleSchedule):
         for name, buffer in self._buffers.items():
             if buffer is not None and buffer.dtype != torch.float32:
                 self._buffers[name] = buffer.float()
+        self._run.inverses, self._run.divisions = {}, None  # tensors on the old device
         self.mark_stale()
         return self
 
@@ -153,9 +154,13 @@ class ScaleState(nn.Module, ScaleSchedule):
         if not on_host:  # no host read: the reciprocal is exact when the scale is a power of two (the default)
             return [(torch.reciprocal(table[slot:slot + 1]), None, params) for slot, params in groups.items()]
         divisions = []
+        inverses = self._run.inverses
         for scale, params in groups.items():
             exact = math.frexp(scale)[0] == 0.5  # a power of two: multiplying by 1/scale is exact
-            inverse = torch.full((1,), 1.0 / scale if exact else 1.0, device=self.found_inf.device)
+            factor = 1.0 / scale if exact else 1.0
+            inverse = inverses.get(factor)
+            if inverse is None:  # the same few powers of two come back step after step
+                inverse = inverses[factor] = torch.full((1,), factor, device=self.found_inf.device)
             divisions.append((inverse, None if exact else scale, params))
         return divisions
 
@@ -189,7 +194,7 @@ class _BackwardRun:
     """What one backward pass tracks (its graph task, the gradients held aside), and what passes that reuse the
     stored factors can reuse too: the array views and the parameter-gradient divisions."""
 
-    __slots__ = ("task", "held", "arrays", "divisions", "param_ids")
+    __slots__ = ("task", "held", "arrays", "divisions", "param_ids", "inverses")
 
     def __init__(self) -> None:
         self.task: int | None = None
@@ -197,6 +202,7 @@ class _BackwardRun:
         self.arrays: tuple | None = None
         self.divisions: list | None = None
         self.param_ids: frozenset[int] | None = None
+        self.inverses: dict[float, torch.Tensor] = {}  # 1-element factors for the fused kernel, by value
 
 
 def scaled(g: torch.Tensor, factor: Any) -> torch.Tensor:
