@@ -888,14 +888,75 @@ def test_a_branch_on_a_layer_output_is_named_after_the_layer():
     assert branch.name in rows and rows[branch.name] == ["2"]
 
 
+# --- the device path on CPU: what CUDA runs --------------------------------------------------------------------
+
+_HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
+
+
+def _fp16_training(method: str, update_every: int, forbid_reads, steps: int = 4):
+    """Four fp16 steps of a small residual network (scale points, branch points, batch norm) through the library
+    loop; returns the scale state's tables and the parameters at the end."""
+    torch.manual_seed(0)
+    scaler = LossScaler(CifarResNet(8, 3, 10, width=4), "adaptive", loss_scale_method=method,
+                        update_per_n_iteration=update_every, fixed_loss_scale=4.0)
+    forward = MixedPrecisionForward(scaler.model, "float16")
+    optimizer = torch.optim.SGD(scaler.model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+        optimizer.zero_grad(set_to_none=True)
+        with forbid_reads():
+            loss = F.cross_entropy(forward(scaler.model, x), y) * 1e-3  # small enough for fp16 to need scaling
+            scaler.scale(loss).backward()
+        assert scaler.step(optimizer) is True
+        scaler.update()
+    state = state_of(scaler)
+    tables = {name: getattr(state, name).clone() for name in ("table", "unbound", "factor")}
+    tables["output"] = scaler.model.adaloss.output.factor.clone()
+    return tables, {name: p.detach().clone() for name, p in scaler.model.named_parameters()}
+
+
+@pytest.mark.parametrize("update_every", [1, 2])
+@pytest.mark.parametrize("method", METHODS)
+def test_device_path_on_cpu_reads_nothing_back_and_trains_exactly_like_the_host_path(method, update_every,
+                                                                                  monkeypatch):
+    """On CPU the factor math finishes on host scalars; CUDA keeps every number a 0-d device tensor and must never
+    read one back. device_scalars() runs that CUDA path on CPU tensors: its forwards and backwards (refreshing and
+    reusing steps, fused unscaling included) read nothing back, and training ends bit-identical to the host path,
+    so the CPU suite checks the logic CUDA runs."""
+    from contextlib import contextmanager, nullcontext
+
+    from adaloss_cli.core.array_ops import device_scalars
+
+    @contextmanager
+    def forbidden():
+        def read(*args, **kwargs):
+            raise AssertionError("host read of a device value inside forward/backward")
+        with monkeypatch.context() as m:
+            for name in _HOST_READS:
+                m.setattr(torch.Tensor, name, read)
+            yield
+
+    host_tables, host_params = _fp16_training(method, update_every, nullcontext)
+    with device_scalars():
+        device_tables, device_params = _fp16_training(method, update_every, forbidden)
+    assert float(host_tables["factor"].max()) > 1.0 or float(host_tables["output"]) > 1.0, "nothing was scaled"
+    for name, expected in host_tables.items():
+        assert torch.equal(device_tables[name], expected), name
+    for name, expected in host_params.items():
+        assert torch.equal(device_params[name], expected), name
+
+
 # --- CUDA: no host synchronisation inside the adaptive logic ---------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("update_every", [1, 2])
 @pytest.mark.parametrize("method", METHODS)
-def test_cuda_forward_and_backward_never_synchronise(method):
+def test_cuda_forward_and_backward_never_synchronise(method, update_every):
     torch.manual_seed(0)
     model = CifarResNet(8, 3, 10, width=8).cuda()
-    scaler = LossScaler(model, "adaptive", loss_scale_method=method, u_min=1e-2, u_max=1e6)
+    scaler = LossScaler(model, "adaptive", loss_scale_method=method, u_min=1e-2, u_max=1e6,
+                        update_per_n_iteration=update_every)
     optimizer = torch.optim.SGD(scaler.model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(8, 3, 16, 16, device="cuda")
     y = torch.randint(0, 10, (8,), device="cuda")
