@@ -1,13 +1,14 @@
-"""Run-time pieces of a transformed model: the scale table, scale points and branch points.
+"""The nodes of a transformed model: scale points, branch points and the output point.
 
 Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1). Autograd passes plain
-tensors, so the scale travels in a side channel: a small float32 table on the model's device, one slot per gradient
-edge whose scale a node sets. The transform (``transform.py``) fixes statically which slot each node reads and
-writes, so at run time nodes only index the table: no device-to-host read anywhere in a step.
+tensors, so the scale travels in a side channel, the :class:`~.scale_state.ScaleState` table. The transform
+(``transform.py``) fixes statically which slot each node reads and writes, so at run time nodes only index the
+table: on a GPU no device-to-host read anywhere in a step.
 
 - :class:`ScaleOutput` sits after a Linear/Conv: its backward reads A of the layer's output gradient gy, computes the
   layer's factor s with the shared core math, writes A * s to the layer's input slot and returns s * gy, so the
-  layer's own (native) backward computes gx and its weight gradient from the scaled gy.
+  layer's own (native) backward computes gx and its weight gradient from the scaled gy. Until the next refresh its
+  factor is fixed, so its forward then registers no more than that product (nothing for a factor of 1).
 - :class:`MeasureInput` sits before it: on recorded steps its backward measures how many elements of gx are zero
   where the same backward in float32, unscaled, gave a non-zero value (the reference pass stores those).
 - :class:`BranchPoint` replaces fan-out: consumers get separate copies, and their gradients are brought to a common
@@ -15,219 +16,45 @@ writes, so at run time nodes only index the table: no device-to-host read anywhe
 - :class:`OutputPoint` sits at the model output: the loss gradient arrives in float32, and before it is cast to the
   model's dtype (where the first underflow would happen) it gets a factor of its own, chosen exactly from its
   extremes. The layers' accumulated cap counts from this scale (the *origin*).
-- Parameter gradients are divided by the A of the gradient they came from. By default that happens once, when the
-  backward pass finishes (:meth:`ScaleState.begin_backward`): one multi-tensor division per slot, in place, instead
-  of a Python hook per parameter (whose call and the copy it forces cost more than the rest of a reused step). With
-  data-parallel training, DistributedDataParallel reads each gradient during backward, so the transform registers
-  per-parameter hooks instead (``transform.hook_parameters_of``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (EXACT_WEIGHT_METHODS, AdaptiveOptions, WeightStatistics, branch_scale_step,
-                                       layer_scale_step, output_scale_step, weight_statistics)
+from adaloss_cli.core.adaptive import (EXACT_WEIGHT_METHODS, WeightStatistics, branch_scale_step, layer_scale_step,
+                                       output_scale_step, weight_statistics)
 from adaloss_cli.core.adaptive_stats import underflow_fraction
-from adaloss_cli.core.array_ops import host_view, torch_cpu_on_host
-from adaloss_cli.core.scale_schedule import ScaleSchedule
+from adaloss_cli.core.array_ops import host_view
+
+from .scale_state import ScaleState
 
 
-class ScaleState(nn.Module, ScaleSchedule):
-    """Shared state of one transformed model: the scale table and the per-point factors and measurements.
-
-    ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
-    (used to measure underflow for the none/fixed/dynamic methods). When the scale points recompute what is
-    :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision. On CPU the factor math reads and writes the
-    tables through NumPy views of the same memory (:meth:`scale_arrays`), and factors reach the scale points as
-    host float32 scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device.
-    """
-
-    def __init__(self, num_slots: int, num_points: int, options: AdaptiveOptions | None, init_scale: float) -> None:
-        super().__init__()
-        self.init_schedule(options)
-        self.origin_slot = 0
-        self.register_buffer("table", torch.ones(num_slots), persistent=False)
-        self.register_buffer("unbound", torch.ones(num_points), persistent=False)
-        self.register_buffer("factor", torch.ones(num_points), persistent=False)
-        self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
-        #: Non-zero once a parameter gradient unscaled at the end of a backward pass was not finite (reset by
-        #: :meth:`finish_iteration`): the overflow check of those gradients, fused with their unscaling.
-        self.register_buffer("found_inf", torch.zeros(1), persistent=False)
-        self.table.fill_(init_scale)
-        self.note_origin_scale(init_scale)
-        #: Each parameter and the slot of the scale its gradient carries: its gradient is divided by that scale when
-        #: a backward pass ends. Empty when per-parameter hooks do that, or nothing does (measure-only).
-        self.param_slots: list[tuple[nn.Parameter, int]] = []
-        # Per-pass bookkeeping in a plain object: nn.Module's __setattr__ costs more than the work it records.
-        self._run = _BackwardRun()
-
-    def _apply(self, fn, *args, **kwargs):
-        """Moves with the model, but the scales stay float32 even when the model is cast to half. The next backward
-        recomputes every bound, so no point keeps a factor from before the move."""
-        super()._apply(fn, *args, **kwargs)
-        for name, buffer in self._buffers.items():
-            if buffer is not None and buffer.dtype != torch.float32:
-                self._buffers[name] = buffer.float()
-        self._run.inverses, self._run.divisions = {}, None  # tensors on the old device
-        self.mark_stale()
-        return self
-
-    def __getstate__(self) -> dict:
-        """Copies and pickles leave the cached views behind: a copied NumPy view would not share the copied
-        tensor's memory."""
-        state = dict(super().__getstate__())
-        state["_run"] = _BackwardRun()
-        return state
-
-    def scale_arrays(self) -> tuple[Any, Any, Any]:
-        """(table, unbound, factor) as the factor math uses them: the buffers themselves on CUDA, NumPy views of
-        their memory on CPU (made again whenever a buffer is replaced, e.g. by ``.to()``)."""
-        cached = self._run.arrays
-        buffers = self._buffers
-        if (cached is None or cached[0] is not buffers["table"] or cached[1] is not buffers["unbound"]
-                or cached[2] is not buffers["factor"] or cached[3] != torch_cpu_on_host()):
-            tensors = (buffers["table"], buffers["unbound"], buffers["factor"])
-            cached = self._run.arrays = (*tensors, torch_cpu_on_host(), tuple(host_view(t) for t in tensors))
-        return cached[4]
-
-    def set_loss_scale(self, scale: float) -> None:
-        """The scale of the gradient arriving from the loss (slot 0)."""
-        self.table[0] = scale
-        self.note_origin_scale(scale)
-
-    def begin_backward(self) -> None:
-        """Called by the transformed model's nodes in backward; the first call of a backward pass prepares the
-        parameter gradients of :attr:`param_slots` to be unscaled when the pass ends.
-
-        Gradients accumulated by earlier passes (micro-batches) are already unscaled; they are held aside, so this
-        pass's gradients arrive alone, scaled, and are unscaled before the held ones are added back. The model
-        output's node runs before any parameter of the model gets its gradient, so nothing is missed.
-        """
-        if not self.param_slots:
-            return
-        run = self._run
-        task = torch._C._current_graph_task_id()
-        if task in (run.task, -1):  # -1: called outside a backward pass (a direct call in a test)
-            return
-        run.task = task
-        run.held = [(p, p.grad) for p, _ in self.param_slots if p.grad is not None]
-        for p, _ in run.held:
-            p.grad = None
-        Variable._execution_engine.queue_callback(self._unscale_parameter_grads)
-
-    def _unscale_parameter_grads(self) -> None:
-        """End of a backward pass: unscale the new gradients and check them for overflow in one pass (torch's
-        fused GradScaler kernel, one call per distinct scale, multiplying by the exact reciprocal of a power of
-        two; other scales are divided, then checked), then add back the held ones."""
-        run = self._run
-        if run.divisions is None or not self.reuse:  # the scales this pass used are new
-            run.divisions = self._divisions()
-        for inverse, divisor, params in run.divisions:
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            if divisor is not None:
-                torch._foreach_div_(grads, divisor)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inverse)
-        for p, held in run.held:
-            p.grad = held if p.grad is None else p.grad.add_(held)
-        run.held = []
-
-    def _divisions(self) -> list[tuple[torch.Tensor, Any, list[nn.Parameter]]]:
-        """The parameters of :attr:`param_slots` grouped by the scale their gradients carry, each group with the
-        1-element factor the fused kernel multiplies by and, for a scale that is not a power of two, the divisor
-        applied first: equal host scales share one group; on a device, one group per slot."""
-        table = self.scale_arrays()[0]
-        on_host = isinstance(table, np.ndarray)
-        groups: dict[Any, list[nn.Parameter]] = {}
-        for p, slot in self.param_slots:
-            groups.setdefault(float(table[slot]) if on_host else slot, []).append(p)
-        if not on_host:  # no host read: the reciprocal is exact when the scale is a power of two (the default)
-            return [(torch.reciprocal(table[slot:slot + 1]), None, params) for slot, params in groups.items()]
-        divisions = []
-        inverses = self._run.inverses
-        for scale, params in groups.items():
-            exact = math.frexp(scale)[0] == 0.5  # a power of two: multiplying by 1/scale is exact
-            factor = 1.0 / scale if exact else 1.0
-            inverse = inverses.get(factor)
-            if inverse is None:  # the same few powers of two come back step after step
-                inverse = inverses[factor] = torch.full((1,), factor, device=self.found_inf.device)
-            divisions.append((inverse, None if exact else scale, params))
-        return divisions
-
-    def checked_parameters(self) -> frozenset[int]:
-        """Ids of the parameters whose gradients each backward pass unscales and checks for overflow into
-        :attr:`found_inf` (empty when per-parameter hooks unscale them, or nothing does)."""
-        run = self._run
-        if run.param_ids is None:
-            run.param_ids = frozenset(id(p) for p, _ in self.param_slots)
-        return run.param_ids
-
-    def finish_iteration(self, retry: bool) -> None:
-        """As :meth:`ScaleSchedule.finish_iteration`, and the fused overflow flag starts again from zero."""
-        super().finish_iteration(retry)
-        self.found_inf.zero_()
-
-    def state_dict_values(self) -> dict[str, Any]:
-        """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
-        return {"iteration": self.iteration, "table": self.table.cpu(), "unbound": self.unbound.cpu(),
-                "factor": self.factor.cpu()}
-
-    def load_state_values(self, values: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict_values`."""
-        self.iteration = int(values["iteration"])
-        for name in ("table", "unbound", "factor"):
-            getattr(self, name).copy_(values[name])
-        self.mark_stale()
-
-
-class _BackwardRun:
-    """What one backward pass tracks (its graph task, the gradients held aside), and what passes that reuse the
-    stored factors can reuse too: the array views and the parameter-gradient divisions."""
-
-    __slots__ = ("task", "held", "arrays", "divisions", "param_ids", "inverses")
-
-    def __init__(self) -> None:
-        self.task: int | None = None
-        self.held: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self.arrays: tuple | None = None
-        self.divisions: list | None = None
-        self.param_ids: frozenset[int] | None = None
-        self.inverses: dict[float, torch.Tensor] = {}  # 1-element factors for the fused kernel, by value
-
-
-def scaled(g: torch.Tensor, factor: Any) -> torch.Tensor:
-    """g * factor for a factor from the core: a 0-d device tensor (a product formed in float32 and rounded once to
-    g's dtype), or a host float32 scalar, where a factor of 1 costs nothing."""
-    if isinstance(factor, torch.Tensor):
-        return g * factor
-    value = float(factor)
-    return g if value == 1.0 else g * value
-
-
-def stored_multiplier(factor: Any) -> float | torch.Tensor | None:
-    """A factor as the multiplier the steps until the next refresh apply (see ``ScaleSchedule.reuse``): a Python
-    float for a host scalar, the 0-d tensor itself on a device, None for nothing to apply (measure-only, or a host
-    factor of 1)."""
+def multiplier_of(factor: Any) -> float | torch.Tensor | None:
+    """A factor from the core as what a gradient is multiplied by: the 0-d tensor itself on a device (the product
+    is formed in float32 and rounded once to the gradient's dtype), a Python float for a host scalar, None for
+    nothing to apply (measure-only, or a host factor of 1)."""
     if factor is None or isinstance(factor, torch.Tensor):
         return factor
     value = float(factor)
     return None if value == 1.0 else value
 
 
+def scaled(g: torch.Tensor, factor: Any) -> torch.Tensor:
+    """g times a factor from the core (see :func:`multiplier_of`); g itself when there is nothing to apply."""
+    multiplier = multiplier_of(factor)
+    return g if multiplier is None else g * multiplier
+
+
 def _keep_multiplier(point: nn.Module, factor: Any) -> None:
-    # A plain attribute (nn.Module.__setattr__ costs more than the product it saves); copies of the model carry it
-    # along with the scale table it agrees with.
-    object.__setattr__(point, "multiplier", stored_multiplier(factor))
+    # What the steps until the next refresh apply (see ScaleSchedule.reuse). A plain attribute: nn.Module's
+    # __setattr__ costs more than the product it saves; copies of the model carry it with the table it agrees with.
+    object.__setattr__(point, "multiplier", multiplier_of(factor))
 
 
 def _multiply_prehook(multiplier: float | torch.Tensor, index: int, grad_outputs: tuple) -> tuple:

@@ -31,7 +31,7 @@ from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
-from .scale_points import ScaleState
+from .scale_state import ScaleState
 from .transform import UNSCALE_AFTER_BACKWARD, UNSCALE_PER_PARAMETER, TransformError, transform_model
 
 

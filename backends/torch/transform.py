@@ -3,7 +3,7 @@
 It traces the model, puts a scale point around every Linear/Conv1d/2d/3d, a branch point wherever a value has
 several consumers, has every parameter gradient divided by the scale of the gradient it came from (after the
 backward pass, or by per-parameter hooks for data-parallel training), and assigns each gradient edge its static slot
-in the scale table (see ``scale_points.py``). What it cannot handle it
+in the scale table (see ``scale_points.py`` and ``scale_state.py``). What it cannot handle it
 refuses by name: an untraceable model, a parameter used outside a module, a module called twice, or a
 parameter-owning module type with no handling.
 """
@@ -22,7 +22,8 @@ from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
 from adaloss_cli.errors import UserError
 
-from .scale_points import BackwardStart, BranchPoint, MeasureInput, OutputPoint, ScaleOutput, ScaleState
+from .scale_points import BackwardStart, BranchPoint, MeasureInput, OutputPoint, ScaleOutput
+from .scale_state import ScaleState
 
 #: How a transformed model unscales its parameter gradients: all at once when each backward pass ends (the
 #: default), by a hook on each parameter as its gradient is computed (what DistributedDataParallel needs: it
