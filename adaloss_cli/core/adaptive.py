@@ -23,8 +23,9 @@ from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_
                              norm_and_abs_max, per_index_extremes, underflow_k)
 from .array_ops import Float32Ops, ops_for
 
-__all__ = ["EXACT_WEIGHT_METHODS", "METHODS", "AdaptiveOptions", "WeightStatistics", "weight_statistics", "bound_factor", "branch_common_scale", "layer_factor", "layer_scale_step",
-           "branch_scale_step", "output_factor", "output_scale_step", "power_of_two_floor", "unbound_factor"]
+__all__ = ["EXACT_WEIGHT_METHODS", "METHODS", "AdaptiveOptions", "WeightStatistics", "bound_factor",
+           "branch_common_scale", "branch_scale_step", "layer_factor", "layer_scale_step", "output_factor",
+           "output_scale_step", "power_of_two_floor", "unbound_factor", "weight_statistics"]
 
 METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 _ABS_RANGE_O_MIN_FLOOR = 1e-15
@@ -257,11 +258,10 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
                      axes: tuple[int, int] | None = None) -> Any:
     """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
 
-    ``weight`` is the layer's weight or its :func:`weight_statistics` (needed on refresh iterations only).
-
     ``state`` is a :class:`~.scale_schedule.ScaleSchedule` (its :meth:`~.scale_schedule.ScaleSchedule.scale_arrays`
     and ``origin_slot``). Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations
-    (reuses it otherwise), caps the scale the layers created counting from the output point's scale, and writes
+    (reuses it otherwise) from gy and ``weight`` (the layer's weight or its :func:`weight_statistics`, used on
+    refresh iterations only), caps the scale the layers created counting from the output point's scale, and writes
     A * s to ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the
     stored s. Returns s (a 0-d device array, or a float32 scalar for arrays in host memory), or None in measure-only
     mode (where the scale passes through unchanged).
