@@ -126,7 +126,7 @@ class ScaleOutput(nn.Module):
         state.begin_backward()
         factor = layer_scale_step(state, self.index, self.in_slot, self.out_slot, gy, weight, self.fan, self.axes)
         _keep_multiplier(self, factor)
-        return gy if factor is None else scaled(gy, factor)
+        return scaled(gy, factor)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
