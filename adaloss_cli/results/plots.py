@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from adaloss_cli.results.comparison import Group
+from adaloss_cli.results.files import atomic_file
 from adaloss_cli.results.rundata import RunData
 
 #: Adaptive rows beyond this many get no per-layer panel of their own (the figure would be unreadable).
@@ -32,6 +33,12 @@ def _figure(width: float, height: float):
     figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
+
+
+def _save(figure, path: Path) -> None:
+    """Write the figure as PNG atomically: a report killed half-way never leaves a truncated or empty image."""
+    with atomic_file(path, binary=True) as handle:
+        figure.savefig(handle, format="png")
 
 
 def _colors(groups: Sequence[Group]) -> dict[str, tuple]:
@@ -117,7 +124,7 @@ def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | Non
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small", loc="best")
     figure.suptitle(f"{title}{_seeds_note(groups)}")
-    figure.savefig(path)
+    _save(figure, path)
     return path
 
 
@@ -191,7 +198,7 @@ def plot_loss_scale(groups: Sequence[Group], path: Path, title: str) -> Path | N
     hidden = len(adaptive_rows) - len(shown_adaptive)
     note = f" ({hidden} more adaptive rows not shown)" if hidden else ""
     figure.suptitle(f"{title}: loss scale over training{note}")
-    figure.savefig(path)
+    _save(figure, path)
     return path
 
 
@@ -248,7 +255,7 @@ def plot_underflow(groups: Sequence[Group], path: Path, title: str) -> Path | No
     ax.set_title(f"Share of gradient values lost to underflow (mean over recorded steps{seeds})",
                  fontsize="medium")
     figure.suptitle(title)
-    figure.savefig(path)
+    _save(figure, path)
     return path
 
 

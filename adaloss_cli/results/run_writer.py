@@ -6,7 +6,6 @@ Backends never write files: the engine hands each record to this writer.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import platform
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ import yaml
 
 from adaloss_cli import __version__
 from adaloss_cli.backends.base import LayerRecord, StepOutcome
-from adaloss_cli.results.files import CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text
+from adaloss_cli.results.files import (CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text, json_text,
+                                      overwrite_in_place, read_json, write_failure)
 
 METRICS_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "lr", "skipped_steps", "elapsed_s")
 SCALES_COLUMNS = ("step", "layer", "unbound_factor", "factor", "accumulated_scale", "underflow_fraction")
@@ -46,7 +46,10 @@ class RunWriter:
                  meta: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         if resolved_config is not None:
-            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+            try:
+                atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
+            except OSError as err:
+                raise write_failure(self.run_dir / "config.yaml", err) from None
         self.meta: dict[str, Any] = meta or {"status": "running", "started": _now(), "finished": None,
                                              "command": command or sys.argv, "host": platform.node(),
                                              "platform": platform.platform(), "versions": package_versions()}
@@ -62,7 +65,9 @@ class RunWriter:
             if path.exists():
                 with open(path, "r+b") as handle:
                     handle.truncate(offsets.get(name, 0))
-        meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))
+        if not (run_dir / "meta.json").exists():  # killed after writing config.yaml: start the run's meta afresh
+            return cls(run_dir, None, command)
+        meta = read_json(run_dir / "meta.json")
         meta.setdefault("resumed", []).append({"at": _now(), "command": command or sys.argv})
         meta.update(status="running", finished=None)
         meta.pop("error", None)
@@ -82,7 +87,20 @@ class RunWriter:
             self._scales = CsvWriter(self.run_dir / "scales.csv", SCALES_COLUMNS)
 
     def _write_meta(self) -> None:
-        atomic_write_json(self.run_dir / "meta.json", self.meta)
+        try:
+            atomic_write_json(self.run_dir / "meta.json", self.meta)
+        except OSError as err:
+            raise write_failure(self.run_dir / "meta.json", err) from None
+
+    def _write_final_meta(self) -> None:
+        """meta.json with the run's final status, even on a disk too full for a temporary copy."""
+        try:
+            atomic_write_json(self.run_dir / "meta.json", self.meta)
+        except OSError:
+            try:
+                overwrite_in_place(self.run_dir / "meta.json", json_text(self.meta))
+            except OSError as err:
+                raise write_failure(self.run_dir / "meta.json", err) from None
 
     def set_meta(self, **fields: Any) -> None:
         """Add fields to meta.json (device, model description, ...), rewriting it atomically."""
@@ -111,18 +129,29 @@ class RunWriter:
         self._metrics.write(row)
 
     def finish(self, status: str, summary: dict[str, Any] | None = None, error: str | None = None) -> None:
-        """Close the logs, write summary.json (atomically, last) and the final status."""
+        """Close the logs, write summary.json (atomically, last) and the final status.
+
+        A summary that cannot be written (a full disk) makes the run ``failed``, recorded in meta.json, and is
+        raised as a RuntimeFailure.
+        """
         for writer in (self._steps, self._metrics, self._scales):
             if writer is not None:
                 writer.close()
+        failure = None
         if summary is not None:
-            atomic_write_json(self.run_dir / "summary.json", summary)
+            try:
+                atomic_write_json(self.run_dir / "summary.json", summary)
+            except OSError as err:
+                failure = write_failure(self.run_dir / "summary.json", err)
+                status, error = "failed", str(failure)
         self.meta.update(status=status, finished=_now())
         if error:
             self.meta["error"] = error
-        self._write_meta()
+        self._write_final_meta()
+        if failure is not None:
+            raise failure
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """The summary.json of a run directory."""
-    return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
+    return read_json(Path(run_dir) / "summary.json")
