@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
+from ._bounded_yaml import safe_load_bounded
 from ._messages import did_you_mean, suggest_path
 from ._schema_info import join, keys_of
 from .problems import ProblemCollector
@@ -38,9 +39,9 @@ def parse_overrides(texts: Sequence[str], collector: ProblemCollector) -> list[O
             collector.add_override(text, f"got {text!r}; must be key.path=value, e.g. {EXAMPLE}")
             continue
         try:
-            value = yaml.safe_load(raw)
+            value = safe_load_bounded(raw)
         except (yaml.YAMLError, ValueError) as err:
-            problem = getattr(err, "problem", None) or str(err)
+            problem = " ".join((getattr(err, "problem", None) or str(err)).split())  # one line
             collector.add_override(key, f"got value {raw!r} that is not valid YAML ({problem}); quote it, or "
                                         "write a number, true/false, null, [a, b] or {key: value}")
             continue

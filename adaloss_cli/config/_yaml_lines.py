@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from ._bounded_yaml import BoundedSafeLoader, YamlLimitError
 from .problems import Problem
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -27,8 +28,9 @@ class ParsedYaml:
 
 
 def parse_yaml(text: str) -> ParsedYaml:
-    """Load one YAML document with the safe loader; raises ``yaml.YAMLError`` or ``ValueError`` when malformed."""
-    loader = yaml.SafeLoader(text)
+    """Load one YAML document with the safe loader, within adaloss's depth and size limits; raises
+    ``yaml.YAMLError`` (``YamlLimitError`` past a limit) or ``ValueError`` when malformed."""
+    loader = BoundedSafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -77,6 +79,8 @@ def yaml_problem(error: Exception, source: str) -> Problem:
     """The problem for a YAML file that could not be parsed, at the line PyYAML points to."""
     mark = getattr(error, "problem_mark", None)
     what = getattr(error, "problem", None) or str(error)
+    if isinstance(error, YamlLimitError):
+        return Problem(source, None if mark is None else mark.line + 1, "", what)
     context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
     if context:  # PyYAML words it as "<context> ..., <problem>": "while parsing a block mapping ..., expected ..."
         where = f" (line {context_mark.line + 1})" if context_mark is not None else ""

@@ -12,13 +12,21 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from adaloss_cli.limits import MAX_CONFIG_BYTES, LimitExceeded, read_bounded
+
 from ._overrides import apply_overrides, parse_overrides
 from ._validate import validate
 from ._yaml_lines import parse_yaml, yaml_problem
 from .problems import ConfigError, Problem, ProblemCollector
 from .schema import ExperimentConfig, LossScalingConfig
 
-__all__ = ["ConfigError", "Problem", "load_config", "load_config_dict"]
+__all__ = ["ConfigError", "Problem", "load_config", "load_config_dict", "read_config_text"]
+
+
+def read_config_text(path: str | Path) -> str:
+    """The text of a config or sweep file, refused past :data:`~adaloss_cli.limits.MAX_CONFIG_BYTES` (so that
+    ``/dev/zero`` or a 50 MB file is an error at once, not minutes of parsing)."""
+    return read_bounded(path, MAX_CONFIG_BYTES, "a config file").decode("utf-8")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -33,8 +41,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentCo
     source = str(path)
     collector = ProblemCollector(source)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        text = read_config_text(path)
+    except (OSError, UnicodeDecodeError, LimitExceeded) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise ConfigError(source, [Problem(source, None, "", f"cannot read the file: {reason}")]) from None
     parsed_overrides = parse_overrides(overrides, collector)

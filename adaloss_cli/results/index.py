@@ -13,7 +13,7 @@ from typing import Any
 
 from adaloss_cli.errors import UserError
 from adaloss_cli.results.comparison import Group
-from adaloss_cli.results.files import atomic_write_json
+from adaloss_cli.results.files import atomic_write_json, read_json
 from adaloss_cli.results.methods import BASELINE, label_of_config
 from adaloss_cli.results.rundata import RunData, is_run_dir
 
@@ -36,7 +36,7 @@ def read_index(folder: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
     except (OSError, ValueError) as err:
         raise UserError(f"'{path}' is not readable JSON ({err}); restore it from the run that wrote it") from None
     if not isinstance(data, dict) or data.get("kind") not in (COMPARE, SWEEP) or not isinstance(data.get("runs"),

@@ -15,6 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from adaloss_cli.results.files import read_json
+
 #: Statuses after which a child is not run again: it finished, with a result (divergence is a result).
 FINISHED = ("completed", "diverged")
 
@@ -28,7 +30,7 @@ def _float(text: str | None) -> float:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -131,9 +133,13 @@ class RunData:
         """config.yaml as plain data (empty when unreadable)."""
         import yaml
 
+        from adaloss_cli.config._bounded_yaml import safe_load_bounded
+        from adaloss_cli.config.loader import read_config_text
+        from adaloss_cli.limits import LimitExceeded
+
         try:
-            data = yaml.safe_load((self.path / "config.yaml").read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
+            data = safe_load_bounded(read_config_text(self.path / "config.yaml"))
+        except (OSError, UnicodeDecodeError, LimitExceeded, yaml.YAMLError):
             return {}
         return data if isinstance(data, dict) else {}
 

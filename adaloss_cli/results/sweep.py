@@ -30,8 +30,11 @@ from typing import Any
 import yaml
 
 from adaloss_cli.config import ConfigError, load_config
+from adaloss_cli.config._bounded_yaml import YamlLimitError, safe_load_bounded
+from adaloss_cli.config.loader import read_config_text
 from adaloss_cli.config.schema import ExperimentConfig
 from adaloss_cli.errors import UserError
+from adaloss_cli.limits import LimitExceeded, check_run_count
 
 SWEEP_KEYS = ("base", "out", "set", "grid", "list")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._=,+-]")
@@ -163,11 +166,13 @@ def _points(data: dict, problems: _Problems) -> list[dict[str, Any]]:
             if not isinstance(values, list) or not values:
                 problems.add(f"grid.{key}", "must be a non-empty list of values, e.g. [0.05, 0.1]")
                 del grid[key]  # the other keys are still checked
+        check_run_count(math.prod(len(values) for values in grid.values()), f"the grid of {problems.path}")
         return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())] if grid else []
     entries = data["list"]
     if not isinstance(entries, list) or not entries:
         problems.add("list", "must be a non-empty list of mappings, e.g. [{loss_scaling.method: none}]")
         return []
+    check_run_count(len(entries), f"the list of {problems.path}")
     points = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
@@ -195,9 +200,15 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
     path = Path(path)
     problems = _Problems(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise SweepError(path, [f"{path}: cannot read the file: {err.strerror}"]) from None
+        data = safe_load_bounded(read_config_text(path))
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SweepError(path, [f"{path}: cannot read the file: {reason}"]) from None
+    except LimitExceeded as err:
+        raise SweepError(path, [f"{path}: cannot read the file: {err}"]) from None
+    except YamlLimitError as err:
+        line = f":{err.problem_mark.line + 1}" if err.problem_mark else ""
+        raise SweepError(path, [f"{path}{line}: {err.problem}"]) from None
     except yaml.YAMLError as err:
         raise SweepError(path, [f"{path}: not valid YAML: {err}".replace("\n", " ")]) from None
     if not isinstance(data, dict):
@@ -208,17 +219,20 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
             problems.add(str(key), f"unknown key; valid keys: {', '.join(SWEEP_KEYS)}"
                                    + (f" (did you mean '{near[0]}'?)" if near else ""))
     base = data.get("base")
+    base_path = None
     if not isinstance(base, str) or not base:
         problems.add("base", "required: the experiment config to start from, relative to this sweep file, e.g. "
                              "base: ../digits.yaml")
-        base_path = None
+    elif "\0" in base:
+        problems.add("base", "contains a NUL character; give the path of a config file")
     else:
         base_path = (path.parent / Path(base).expanduser()).resolve() if not Path(base).is_absolute() else Path(base)
         if not base_path.is_file():
             problems.add("base", f"'{base}' is not a file (looked for {base_path}); paths are relative to the "
                                  "sweep file")
             base_path = None
-    if data.get("out") is not None and not isinstance(data.get("out"), str):
+    out_text = data.get("out")
+    if out_text is not None and (not isinstance(out_text, str) or "\0" in out_text):
         problems.add("out", "must be a folder path (relative to the current directory)")
     common = _mapping(data, "set", problems)
     combos = _points(data, problems)
