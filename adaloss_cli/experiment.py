@@ -6,7 +6,7 @@ the same function with its ``World``; only rank 0 touches the run directory (the
 
 from __future__ import annotations
 
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,12 @@ from adaloss_cli.core.policies import resolve_dynamic
 from adaloss_cli.data import BatchStream, Dataset
 from adaloss_cli.distributed import SINGLE, SilentWriter, World, check_world
 from adaloss_cli.engine import Trainer, plan_steps, prepare
-from adaloss_cli.errors import Diverged, Interrupted, UserError
-from adaloss_cli.results.checkpoints import CheckpointStore
-from adaloss_cli.results.rundir import claim_exact_dir, create_run_dir
-from adaloss_cli.results.run_writer import RunWriter
+from adaloss_cli.errors import AdalossError, Diverged, Interrupted, UserError
+from adaloss_cli.results.checkpoints import CheckpointStore, Latest
+from adaloss_cli.results.files import read_json, remove_stale_temp_files
+from adaloss_cli.results.locks import DirectoryLock
+from adaloss_cli.results.rundir import RUN, RUN_FILES, claim_exact_dir, create_run_dir, marker_kind
+from adaloss_cli.results.run_writer import LOG_FILES, RunWriter
 
 
 @dataclass
@@ -72,31 +74,76 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
     """Train ``config`` into a new run directory (``out`` exactly, or a unique one under ``output.root``).
 
     User mistakes surface before the directory is created; a failure, divergence or interruption afterwards leaves
-    the directory with ``meta.json`` status ``failed``/``diverged``/``interrupted`` and its checkpoints. With several
-    processes (``world``), rank 0 claims the directory and every process learns its path (or its error).
+    the directory with ``meta.json`` status ``failed``/``diverged``/``interrupted`` and its checkpoints. The
+    directory stays locked while the run writes it. With several processes (``world``), rank 0 claims and locks
+    the directory and every process learns its path (or its error).
     """
     dataset, backend = prepare(config, world)
     world.agree(lambda: check_plan(config, dataset, world.world_size))
+    held: list[DirectoryLock] = []
 
     def claim() -> Path:
-        return claim_exact_dir(out, overwrite) if out is not None else create_run_dir(
+        lock = claim_exact_dir(out, overwrite) if out is not None else create_run_dir(
             Path(config.output.root), run_directory_stem(config))
+        held.append(lock)
+        return lock.folder
 
     run_dir = world.agree(claim, main_only=True)
-    writer = RunWriter(run_dir, resolved_config_dict(config), command) if world.is_main else SilentWriter(run_dir)
-    return _train(config, dataset, backend, writer, None, progress, world)
-
-
-def _open_for_resume(run_dir: Path, world_size: int) -> tuple[ExperimentConfig, dict[str, Any] | None]:
-    """The config and newest readable checkpoint of a run that can be resumed with ``world_size`` processes."""
-    meta_path, config_path = run_dir / "meta.json", run_dir / "config.yaml"
-    if not run_dir.is_dir() or not meta_path.is_file() or not config_path.is_file():
-        raise UserError(f"--resume '{run_dir}' is not an adaloss run directory (it needs meta.json and config.yaml); "
-                        "give the directory `adaloss train` printed")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise UserError(f"--resume '{run_dir}': meta.json is unreadable ({err}); start a new run") from None
+        writer = RunWriter(run_dir, resolved_config_dict(config), command) if world.is_main else SilentWriter(run_dir)
+        return _train(config, dataset, backend, writer, None, progress, world)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+#: Keys of config.yaml that may change between a checkpoint and its resume: they change no number of the run.
+RESUMABLE_EDITS = ("output.root", "output.progress", "output.checkpoint_every", "output.keep_checkpoints")
+
+
+def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"training.optimizer.lr": 0.05, ...}``."""
+    if isinstance(data, dict):
+        return {k: v for key, value in data.items() for k, v in flatten_config(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def config_edits(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for each key whose value differs between two resolved configs (edits that cannot
+    change a run's numbers, :data:`RESUMABLE_EDITS`, aside)."""
+    old, new = flatten_config(saved), flatten_config(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in dict.fromkeys([*old, *new])
+            if key not in RESUMABLE_EDITS and old.get(key) != new.get(key)]
+
+
+def _check_resumable_dir(run_dir: Path) -> None:
+    """A directory adaloss created as a run, with regular files only (nothing a resume writes may lead outside)."""
+    marked = marker_kind(run_dir) == RUN
+    if not run_dir.is_dir() or not (marked or (run_dir / "meta.json").is_file()) \
+            or not (run_dir / "config.yaml").is_file():
+        reason = ("it was stopped before its config.yaml was written: nothing to resume; start it again with "
+                  f"--out {run_dir} --overwrite") if marked and run_dir.is_dir() else (
+            "it needs config.yaml and meta.json; give the directory `adaloss train` printed")
+        raise UserError(f"--resume '{run_dir}' is not an adaloss run directory that can be resumed: {reason}")
+    for name in (*RUN_FILES, *LOG_FILES):
+        if (run_dir / name).is_symlink():
+            raise UserError(f"--resume '{run_dir}': {name} is a symbolic link; a run directory holds only its "
+                            "own files (adaloss never writes through a link)")
+
+
+def _open_for_resume(run_dir: Path, world_size: int, held: list[DirectoryLock]) -> tuple[ExperimentConfig, Latest]:
+    """The config and newest readable checkpoint of a run that can be resumed with ``world_size`` processes; the
+    directory's lock is added to ``held`` and its stale temporary files are removed."""
+    _check_resumable_dir(run_dir)
+    held.append(DirectoryLock.acquire(run_dir, "run directory"))
+    meta: dict[str, Any] = {}
+    if (run_dir / "meta.json").exists():
+        try:
+            meta = read_json(run_dir / "meta.json")
+            if not isinstance(meta, dict):
+                raise ValueError(f"it holds a {type(meta).__name__}, not an object")
+        except (OSError, ValueError) as err:
+            raise UserError(f"--resume '{run_dir}': meta.json is unreadable ({err}); start a new run") from None
     if meta.get("status") == "completed":
         raise UserError(f"--resume '{run_dir}': the run already completed; start a new run instead")
     trained_on = meta.get("world_size", 1)
@@ -104,53 +151,86 @@ def _open_for_resume(run_dir: Path, world_size: int) -> tuple[ExperimentConfig, 
         raise UserError(f"--resume '{run_dir}': the run trained on {trained_on} process(es), this is {world_size}; "
                         f"resume it with as many (adaloss train --resume {run_dir} --nproc-per-node {trained_on}, "
                         "or the same torchrun options)")
-    config = load_config(config_path)
-    return config, CheckpointStore(run_dir, config.output.keep_checkpoints).latest()
+    config = load_config(run_dir / "config.yaml")
+    store = CheckpointStore(run_dir, config.output.keep_checkpoints)
+    store.remove_stale_temp_files()
+    remove_stale_temp_files(run_dir)
+    latest = store.latest()
+    saved = (latest.record or {}).get("config")
+    edits = config_edits(saved, resolved_config_dict(config)) if saved is not None else []
+    if edits:
+        raise UserError(f"--resume '{run_dir}': config.yaml was edited after the checkpoint of step "
+                        f"{latest.record['step']} ({'; '.join(edits[:5])}{' and more' if len(edits) > 5 else ''}); "
+                        "the run cannot continue with other settings: undo the edit, or start a new run")
+    for note in latest.skipped:
+        print(f"Warning: checkpoint {note} is unreadable; resuming from an older one", file=sys.stderr)
+    return config, latest
 
 
 def run_world_size(run_dir: Path) -> int:
     """How many processes a run directory trained on (1 when unknown)."""
     try:
-        return int(json.loads((Path(run_dir) / "meta.json").read_text(encoding="utf-8")).get("world_size", 1))
+        return int(read_json(Path(run_dir) / "meta.json").get("world_size", 1))
     except (OSError, ValueError, TypeError, AttributeError):
         return 1
 
 
 def resume_experiment(run_dir: Path, *, progress: bool = True, command: list[str] | None = None,
                       world: World = SINGLE) -> RunResult:
-    """Continue an interrupted or failed run in place, from its newest readable checkpoint (or from the start).
+    """Continue an interrupted or failed run in place, from its newest readable checkpoint (or from the start when
+    it has none yet).
 
-    The config is the run's own resolved ``config.yaml``; the logs are cut back to what the checkpoint had seen, so
-    the finished directory is the one an uninterrupted run would have written (timings aside). A distributed run
-    resumes on as many processes: rank 0 reads the directory and sends config and checkpoint to the others, so only
-    rank 0's machine needs to see it.
+    The config is the run's own resolved ``config.yaml``, which must still match the checkpoint's; the logs are cut
+    back to what the checkpoint had seen, so the finished directory is the one an uninterrupted run would have
+    written (timings aside). The directory stays locked while the run writes it. A distributed run resumes on as
+    many processes: rank 0 reads the directory and sends config and checkpoint to the others, so only rank 0's
+    machine needs to see it.
     """
     run_dir = Path(run_dir)
-    config, record = world.agree(lambda: _open_for_resume(run_dir, world.world_size), main_only=True)
-    dataset, backend = prepare(config, world)
-    writer = (RunWriter.reopen(run_dir, record["offsets"] if record else {}, command) if world.is_main
-              else SilentWriter(run_dir))
-    return _train(config, dataset, backend, writer, record, progress, world)
+    held: list[DirectoryLock] = []
+    try:
+        config, latest = world.agree(lambda: _open_for_resume(run_dir, world.world_size, held), main_only=True)
+        record = latest.record
+        dataset, backend = prepare(config, world)
+        writer = (RunWriter.reopen(run_dir, record["offsets"] if record else {}, command) if world.is_main
+                  else SilentWriter(run_dir))
+        return _train(config, dataset, backend, writer, record, progress, world)
+    finally:
+        for lock in held:
+            lock.release()
 
 
 def _train(config: ExperimentConfig, dataset: Dataset, backend: Backend, writer: RunWriter | SilentWriter,
            resume: dict[str, Any] | None, progress: bool, world: World = SINGLE) -> RunResult:
     """Run the trainer and record how it ended in meta.json (and summary.json when it completed)."""
-    store = CheckpointStore(writer.run_dir, config.output.keep_checkpoints) if world.is_main else None
+    store = (CheckpointStore(writer.run_dir, config.output.keep_checkpoints, resolved_config_dict(config))
+             if world.is_main else None)
     try:
         summary = Trainer(config, dataset, backend, writer, store, progress=progress, resume=resume,  # type: ignore
                           world=world).run()
     except Interrupted as err:
-        writer.finish("interrupted", error=str(err))
+        _record_end(writer, "interrupted", str(err))
         raise
     except KeyboardInterrupt:
-        writer.finish("interrupted", error="interrupted by the user before a checkpoint could be written")
+        _record_end(writer, "interrupted", "interrupted by a signal before a checkpoint could be written")
         raise
     except Diverged as err:
-        writer.finish("diverged", error=str(err))
+        _record_end(writer, "diverged", str(err))
+        raise
+    except AdalossError as err:
+        _record_end(writer, "failed", str(err))
         raise
     except BaseException as err:
-        writer.finish("failed", error=f"{type(err).__name__}: {err}")
+        _record_end(writer, "failed", f"{type(err).__name__}: {err}")
         raise
     writer.finish("completed", summary)
     return RunResult(run_dir=writer.run_dir, summary=summary)
+
+
+def _record_end(writer: RunWriter | SilentWriter, status: str, error: str) -> None:
+    """Write the final status of a run that ended early; a failure to write it (the disk is full) must not hide
+    the error that ended the run, so it is only noted."""
+    try:
+        writer.finish(status, error=error)
+    except AdalossError as err:
+        print(f"Warning: {err}", file=sys.stderr)

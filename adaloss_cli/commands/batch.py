@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 
 from adaloss_cli.cli import ARGV_KEY
-
-
-@contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold ``<folder>/.lock`` so that two batch runs never write one sweep directory at once."""
-    from adaloss_cli.errors import UserError
-
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with open(folder / ".lock", "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise UserError(f"sweep directory '{folder}' is in use by another `adaloss batch`; wait for it to end"
-                            ) from None
-        yield
-
-
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: data}
 
 
 def config_change(run_dir: Path, config) -> str | None:
@@ -43,11 +16,11 @@ def config_change(run_dir: Path, config) -> str | None:
     so are keys only one side has (a newer adaloss may add keys with defaults)."""
     import yaml
 
-    from adaloss_cli.experiment import resolved_config_dict
+    from adaloss_cli.experiment import flatten_config, resolved_config_dict
     from adaloss_cli.results.rundata import RunData
 
-    old = _flat(RunData(run_dir).config)
-    new = _flat(yaml.safe_load(yaml.safe_dump(resolved_config_dict(config))))
+    old = flatten_config(RunData(run_dir).config)
+    new = flatten_config(yaml.safe_load(yaml.safe_dump(resolved_config_dict(config))))
     for key in new:
         if key in old and not key.startswith("output.") and old[key] != new[key]:
             return f"{key}: {old[key]!r} -> {new[key]!r}"
@@ -97,9 +70,10 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
     from adaloss_cli.commands.report import show_outputs
     from adaloss_cli.errors import RuntimeFailure, UserError
     from adaloss_cli.results.children import Child, ChildRunner
-    from adaloss_cli.results.index import SWEEP, read_index, sweep_groups, write_index
+    from adaloss_cli.results.index import SWEEP, sweep_groups, write_index
     from adaloss_cli.results.rundata import FINISHED, run_status
     from adaloss_cli.results.rebuild import write_outputs
+    from adaloss_cli.results.rundir import SWEEP as SWEEP_KIND, open_collection_dir, remove_run_dir
     from adaloss_cli.results.sweep import load_sweep
 
     sweep = load_sweep(sweep_file, out)
@@ -113,12 +87,9 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
             action = "skip" if state in FINISHED else "run" if state == "missing" else "re-run"
             click.echo(f"  {point.name:<{width}}  {action:<6} ({state})")
         return
-    if folder.exists() and any(folder.iterdir()) and (read_index(folder) or {}).get("kind") != SWEEP:
-        raise UserError(f"'{folder}' already holds files and is not a sweep directory (no index.json of kind "
-                        "sweep); choose another `out` or --out")
-    folder.mkdir(parents=True, exist_ok=True)
+    lock = open_collection_dir(folder, SWEEP_KIND)
     argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
-    with _locked(folder):
+    with lock:
         children, to_run, stale = [], [], []
         for point in sweep.points:
             run_dir = folder / "runs" / point.name
@@ -138,8 +109,8 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
                             f"{' and more' if len(stale) > 3 else ''}; choose another `out` (or --out), or delete "
                             "those run directories to re-run them")
         for child in to_run:
-            if child.run_dir.exists():  # failed or interrupted: start again from nothing
-                shutil.rmtree(child.run_dir)
+            if child.run_dir.exists() or child.run_dir.is_symlink():  # failed or interrupted: start again
+                remove_run_dir(child.run_dir)
         (folder / "runs").mkdir(exist_ok=True)
         index: dict[str, Any] = {"kind": SWEEP, "sweep_file": str(sweep_file), "base": str(sweep.base),
                                  "set": sweep.common, "swept": sweep.swept, "command": ["adaloss", *argv],

@@ -38,22 +38,28 @@ def expand_seeds(args: list[str]) -> list[str]:
 
 
 def parse_seeds(values: tuple[str, ...]) -> list[int]:
-    """``0``, ``0,1,2`` and ``0-4`` (inclusive) forms; each seed once."""
-    seeds: list[int] = []
+    """``0``, ``0,1,2`` and ``0-4`` (inclusive) forms; each seed once, at most MAX_RUNS of them (counted before
+    a range is expanded, so ``0-100000000`` is refused at once)."""
+    from adaloss_cli.limits import MAX_RUNS
+
+    seeds: dict[int, None] = {}
     for value in values:
         for part in value.split(","):
             low, dash, high = part.strip().partition("-")
             if not low.isdigit() or (dash and not high.isdigit()):
                 raise click.BadParameter(f"got {value!r}; seeds are integers >= 0: --seeds 0 1 2, --seeds 0,1,2 "
                                          "or --seeds 0-2", param_hint="'--seeds'")
-            span = range(int(low), int(high) + 1) if dash else [int(low)]
+            span = range(int(low), int(high) + 1) if dash else range(int(low), int(low) + 1)
             if dash and int(high) < int(low):
                 raise click.BadParameter(f"got {value!r}: the range is empty", param_hint="'--seeds'")
+            if len(seeds) + len(span) > MAX_RUNS:
+                raise click.BadParameter(f"got {value!r}: more than {MAX_RUNS:,} seeds, the limit of one "
+                                         "comparison; compare fewer seeds", param_hint="'--seeds'")
             for seed in span:
                 if seed in seeds:
                     raise click.BadParameter(f"seed {seed} is given twice", param_hint="'--seeds'")
-                seeds.append(seed)
-    return seeds
+                seeds[seed] = None
+    return list(seeds)
 
 
 class _CompareCommand(click.Command):
@@ -112,13 +118,15 @@ def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str,
     from adaloss_cli.results.index import COMPARE, compare_groups, write_index
     from adaloss_cli.results.methods import BASELINE, parse_methods
     from adaloss_cli.results.rebuild import write_outputs
-    from adaloss_cli.results.rundir import claim_exact_dir, create_run_dir
+    from adaloss_cli.limits import check_run_count
+    from adaloss_cli.results.rundir import COMPARE as COMPARE_KIND, claim_exact_dir, create_run_dir
     from adaloss_cli.commands.report import show_outputs
 
     specs = parse_methods(methods)
     common = list(overrides) + ([f"device={device}"] if device else [])
     base = load_config(config_path, common)  # the config's own problems, reported once
     seeds = parse_seeds(seed_values) or [base.run.seed]
+    check_run_count(len(seeds) * len(specs), "this comparison (methods x seeds)")
     configs, problems = {}, {}
     for seed in seeds:
         for spec in specs:
@@ -138,8 +146,10 @@ def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str,
         click.echo("Warning: the config trains in float32, where loss scaling changes nothing; add "
                    "--set precision.dtype=float16 to compare the methods in fp16", err=True)
 
-    folder = claim_exact_dir(out, overwrite=False) if out is not None else create_run_dir(
-        Path(base.output.root), f"compare-{base.run.name}")
+    # Locked until the command ends (click closes the context's resources), like a run directory.
+    folder = click.get_current_context().with_resource(
+        claim_exact_dir(out, overwrite=False, kind=COMPARE_KIND) if out is not None else create_run_dir(
+            Path(base.output.root), f"compare-{base.run.name}", kind=COMPARE_KIND)).folder
     argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
     children = [Child(f"{spec.label} seed {seed}", configs[spec.label, seed],
                       folder / "runs" / f"{spec.dir_name}-seed{seed}",

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adaloss_cli.results.comparison import Group, aggregate, to_markdown, write_tables
+from adaloss_cli.results.files import remove_stale_temp_files
 from adaloss_cli.results.index import COMPARE, TABLE_STEM, title_of
+from adaloss_cli.results.locks import DirectoryLock
 from adaloss_cli.results.methods import BASELINE
 
 
@@ -44,6 +46,16 @@ def compute(groups: Sequence[Group], kind: str) -> Outputs:
     return Outputs(kind, title_of(list(groups), kind), aggregate(groups, baseline), key_columns_of(groups))
 
 
+def _remove_stale_temp_files_if_idle(folder: Path) -> None:
+    """Remove what a killed ``report`` (or compare, or batch) left half-written, unless another process holds the
+    folder's lock (it may be writing; this process may hold it itself: compare and batch clean up when they
+    open)."""
+    lock = DirectoryLock.try_acquire(folder)
+    if lock is not None:
+        with lock:
+            remove_stale_temp_files(folder)
+
+
 def write_outputs(folder: Path, groups: Sequence[Group], kind: str, plots: bool = True) -> Outputs:
     """Compute the table, write ``<stem>.csv``/``<stem>.md`` and the plots into ``folder``."""
     from adaloss_cli.results.plots import write_plots
@@ -51,6 +63,7 @@ def write_outputs(folder: Path, groups: Sequence[Group], kind: str, plots: bool 
     outputs = compute(groups, kind)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_files_if_idle(folder)
     stem = TABLE_STEM.get(kind, TABLE_STEM[COMPARE])
     written = write_tables(folder, stem, outputs.rows, outputs.key_columns, outputs.title)
     outputs.files = [written["csv"], written["md"]]
