@@ -8,6 +8,7 @@ folder and says what file to put where. Scaling and normalisation belong to :mod
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import zlib
 from pathlib import Path
@@ -56,7 +57,40 @@ def _check_root(root: Optional[str | Path], name: str, expected: str) -> Path:
     if not path.is_dir():
         kind = "is a file, not a folder" if path.exists() else "does not exist"
         raise UserError(f"data.root '{root}' {kind}; set data.root to the folder that contains {expected}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise _unreadable(root)
     return path
+
+
+def _unreadable(root, what: str = "", err: OSError | None = None) -> UserError:
+    reason = (err.strerror if err is not None and err.strerror else "permission denied").lower()
+    where = f"{what} in " if what else ""
+    return UserError(f"data.root '{root}': {where}the folder cannot be read ({reason}); give this user read access "
+                     "to it, or copy the files to a readable folder")
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global outside :attr:`_CifarUnpickler.ALLOWED`."""
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what a CIFAR batch holds: dicts, lists, bytes, numbers and NumPy arrays.
+
+    ``pickle.load`` would call any function a file names (``os.system`` included); this one admits the few globals
+    NumPy arrays are rebuilt from and Python 2's bytes encoding, and refuses everything else before it runs.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol 2 writes Python 3 bytes: _codecs.encode(text, 'latin1')
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise _RefusedGlobal(f"{module}.{name}")
 
 
 def cifar_num_classes(variant: str) -> int:
@@ -68,8 +102,8 @@ def read_cifar(root: Optional[str | Path], variant: str = "cifar10") -> RawSplit
     """Read the CIFAR-10 (``variant='cifar10'``) or CIFAR-100 (``'cifar100'``) python-version pickles.
 
     ``root`` is the folder holding ``data_batch_1..5`` and ``test_batch`` (CIFAR-10) or ``train`` and ``test``
-    (CIFAR-100), or its parent holding ``cifar-10-batches-py/`` or ``cifar-100-python/``. The pickles are the
-    official format and are trusted like any code the user points us at.
+    (CIFAR-100), or its parent holding ``cifar-10-batches-py/`` or ``cifar-100-python/``. The pickles are read
+    with a restricted unpickler (:class:`_CifarUnpickler`), so a crafted file cannot run code.
     """
     layout = _CIFAR[variant]
     files = layout.train_files + (layout.test_file,)
@@ -94,7 +128,11 @@ def _read_cifar_batch(path: Path, layout: _CifarLayout, root) -> tuple[np.ndarra
 
     try:
         with open(path, "rb") as fh:
-            batch = pickle.load(fh, encoding="bytes")
+            batch = _CifarUnpickler(fh, encoding="bytes").load()
+    except _RefusedGlobal as exc:
+        raise bad(f"it asks for {exc}, which a CIFAR batch never holds; it was not loaded") from None
+    except OSError as exc:
+        raise _unreadable(root, path.name, exc) from None
     except Exception as exc:  # a corrupt pickle can raise nearly any exception type
         raise bad(f"cannot unpickle: {type(exc).__name__}") from exc
     if not isinstance(batch, dict):
@@ -163,6 +201,8 @@ def _read_idx(path: Path, root) -> np.ndarray:
 
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except PermissionError as exc:
+        raise _unreadable(root, path.name, exc) from None
     except (OSError, EOFError, zlib.error) as exc:
         raise bad(f"cannot read: {type(exc).__name__}") from exc
     if len(raw) < 8:
