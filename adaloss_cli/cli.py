@@ -7,10 +7,13 @@ only with ``--debug``.
 from __future__ import annotations
 
 import importlib
+import signal
+
 import click
 
 from adaloss_cli import __version__
 from adaloss_cli.errors import AdalossError
+from adaloss_cli.signals import signal_of, sigterm_raises
 
 # command name -> (module, function, one-line help shown in `adaloss --help`)
 COMMANDS = {
@@ -55,14 +58,21 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module), attr)
 
     def invoke(self, ctx: click.Context):
-        """Run the subcommand; adaloss errors become one-line messages with exit code 2 (user) or 1 (runtime)."""
+        """Run the subcommand; adaloss errors become one-line messages with exit code 2 (user) or 1 (runtime), and
+        SIGINT or SIGTERM (even while the subcommand is still being imported) exit code 128 + the signal."""
         try:
-            return super().invoke(ctx)
+            with sigterm_raises():
+                return super().invoke(ctx)
         except AdalossError as err:
             if (ctx.obj or {}).get("debug"):
                 raise
             raise ReportedError(str(err), err.exit_code) from None
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt as interrupt:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            signum = signal_of(interrupt)
+            raise ReportedError(f"stopped by {signal.Signals(signum).name}", 128 + signum) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as err:  # a bug, not a user mistake: say so, keep the traceback behind --debug
             if (ctx.obj or {}).get("debug"):

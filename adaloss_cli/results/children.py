@@ -24,6 +24,7 @@ from tqdm import tqdm
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.errors import AdalossError, Interrupted
 from adaloss_cli.results.rundata import FINISHED, RunData, run_status
+from adaloss_cli.signals import signal_of
 
 #: Statuses that are a failure of the child (not a result of the experiment).
 FAILED = ("failed", "missing", "running")
@@ -155,16 +156,32 @@ class ChildRunner:
                             failed.append(proc.child)
                     if interrupted:
                         raise KeyboardInterrupt
-            except KeyboardInterrupt:
-                for proc in running:  # each child stops after its current step and writes its checkpoint
-                    if proc.popen.poll() is None:
-                        proc.popen.send_signal(signal.SIGINT)
+            except KeyboardInterrupt as interrupt:
+                signum = signal_of(interrupt)
+                _stop_children(running, signum)
                 for proc in running:
-                    proc.popen.wait()
-                    self._finish(proc.child, "interrupted by the user", bar)
-                raise Interrupted(f"interrupted; {len(running)} running children stopped (run the same command "
-                                  "again to re-run them)", signal.SIGINT) from None
+                    self._finish(proc.child, f"stopped by {signal.Signals(signum).name}", bar)
+                raise Interrupted(f"stopped by {signal.Signals(signum).name}; {len(running)} running children "
+                                  "stopped (run the same command again to re-run them)", signum) from None
         return failed
+
+
+def _stop_children(running: Sequence["_Process"], signum: int) -> None:
+    """Pass ``signum`` on to every running child (each stops after its current step and writes its checkpoint)
+    and wait for all of them; a further SIGINT or SIGTERM while waiting is passed on too (the children then stop at
+    once), so that no child outlives this process."""
+    for proc in running:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signum)
+    for proc in running:
+        while True:
+            try:
+                proc.popen.wait()
+                break
+            except KeyboardInterrupt as again:
+                for other in running:
+                    if other.popen.poll() is None:
+                        other.popen.send_signal(signal_of(again))
 
 
 @dataclass
