@@ -23,11 +23,12 @@ from tqdm import tqdm
 
 from adaloss_cli.backends import get_backend
 from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, StepOutcome
-from adaloss_cli.config.schema import ExperimentConfig
+from adaloss_cli.config.schema import MAX_STEPS, ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
 from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss_cli.errors import Diverged, Interrupted, UserError
+from adaloss_cli.model_size import check_model_size
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
 
@@ -53,6 +54,9 @@ def plan_steps(config: ExperimentConfig, batches_per_epoch: int, train_examples:
                         f"{training.batch_size * training.grad_accum_steps} exceeds the {train_examples} training "
                         "examples; lower the batch size or the accumulation steps")
     total = training.iterations if training.iterations is not None else training.epochs * steps_per_epoch
+    if total > MAX_STEPS:
+        raise UserError(f"training.epochs = {training.epochs} makes {total:,} optimizer steps ({steps_per_epoch:,} "
+                        f"per epoch), more than the limit of {MAX_STEPS:,}; lower training.epochs")
     return Plan(steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
@@ -114,7 +118,9 @@ def prepare(config: ExperimentConfig, world: World = SINGLE) -> tuple[Dataset, B
         check_world(config, world.world_size)
         backend_cls = get_backend(config.backend)
         device = world.device(backend_cls.resolve_device(config.device))
-        return backend_cls, device, load_dataset(config.data, config.run.seed)
+        dataset = load_dataset(config.data, config.run.seed)
+        check_model_size(config.model, dataset.input_shape, dataset.num_classes)
+        return backend_cls, device, dataset
 
     backend_cls, device, dataset = world.agree(check)
     return dataset, backend_cls(config, dataset.input_shape, dataset.num_classes, device)

@@ -267,7 +267,7 @@ def test_malformed_yaml_is_one_problem_with_its_line(tmp_path):
 def test_load_config_dict_uses_given_source_and_lines():
     with pytest.raises(ConfigError) as info:
         load_config_dict({"run": {"seed": "x"}}, source="cli", lines={"run.seed": 7})
-    assert str(info.value.problems[0]) == "cli:7: run.seed: got 'x' (a string); must be an integer >= 0"
+    assert str(info.value.problems[0]) == "cli:7: run.seed: got 'x' (a string); must be an integer >= 0 and <= 4294967295"
 
 
 # ---------------------------------------------------------------- property: only ConfigError, never a crash

@@ -33,10 +33,10 @@ def test_header_and_one_row_per_leaf_key_in_schema_order():
 
 @pytest.mark.parametrize("key, default, allowed", [
     ("model.name", "`mlp`", "one of: mlp, cnn, resnet20, resnet32, resnet56, resnet110, vgg"),
-    ("model.hidden_sizes", "`[128, 128]`", "a list of integers, each >= 1"),
+    ("model.hidden_sizes", "`[128, 128]`", "a list of integers, each >= 1 and <= 1048576"),
     ("model.dropout", "`0.0`", "a number >= 0 and <= 1"),
     ("training.batch_size", "`64`", "an integer >= 1"),
-    ("training.iterations", "`null`", "an integer >= 1, or null"),
+    ("training.iterations", "`null`", "an integer >= 1 and <= 1000000000, or null"),
     ("training.optimizer.lr", "`0.05`", "a number > 0"),
     ("training.optimizer.betas", "`[0.9, 0.999]`", "a list of 2 numbers"),
     ("loss_scaling.dynamic.on_floor", "`null`", "one of: clamp, raise, or null"),

@@ -94,7 +94,8 @@ def _check_scalar(kind: type, value: Any, info: KeyInfo) -> tuple[Any, str | Non
     """(converted, what was wrong or None, did-you-mean hint): the type first, then choices and range."""
     converted, wrong, hint = _convert(kind, value)
     if wrong is not None:
-        return None, wrong, hint
+        whole = _whole_number(value) if kind is int else None
+        return None, wrong, hint if whole is None or _in_range(info, whole) else ""
     choices = info.constraint("choices")
     if choices and converted not in choices:
         return None, show(converted), did_you_mean(close_matches(converted, choices))

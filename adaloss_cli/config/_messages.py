@@ -33,7 +33,9 @@ def describe(value: Any) -> str:
 
 
 def number(x: float) -> str:
-    """A bound as people write it: 0, 0.5, 1e-08."""
+    """A bound as people write it: 0, 0.5, 1e-08, 1000000000 (integers exactly, up to 1e15)."""
+    if isinstance(x, int) and abs(x) < 10**15:
+        return str(x)
     return f"{x:g}"
 
 

@@ -56,6 +56,59 @@ def _dataset_root_given(values: Values, collector: ProblemCollector) -> None:
                                    f"when data.name is {name}", at="data.root" if written else "data.name")
 
 
+#: Longest run.name: the run directory adds the method and a timestamp, and a file name has at most 255 bytes.
+MAX_RUN_NAME = 100
+
+
+def _run_name_is_one_path_component(values: Values, collector: ProblemCollector) -> None:
+    """run.name becomes a directory name under output.root: it must not lead anywhere else."""
+    name = values.get("run.name")
+    if name is None:
+        return
+    if not name.strip() or name in (".", "..") or any(sep in name for sep in ("/", "\\")):
+        reason = "must be one folder name, not empty, '.', '..' or a path with / or \\"
+    elif any(ord(char) < 32 or ord(char) == 127 for char in name):
+        reason = "must not contain control characters (NUL, newline, tab...)"
+    elif len(name.encode("utf-8")) > MAX_RUN_NAME:
+        reason = f"must be at most {MAX_RUN_NAME} bytes long (it names the run directory)"
+    else:
+        return
+    collector.add("run.name", f"got {show(name)}; {reason}, e.g. run.name: digits-cnn")
+
+
+def _paths_have_no_nul(values: Values, collector: ProblemCollector) -> None:
+    """No file system path can hold a NUL character."""
+    for key in ("output.root", "data.root"):
+        path = values.get(key)
+        if isinstance(path, str) and "\0" in path:
+            collector.add(key, f"got {show(path)}; a folder path cannot contain a NUL character")
+
+
+#: Hidden layers of an MLP (each one is a module, a scale point and a row of scales.csv).
+MAX_MLP_LAYERS = 1000
+
+
+def _mlp_depth_bounded(values: Values, collector: ProblemCollector) -> None:
+    sizes = values.get("model.hidden_sizes") or ()
+    if len(sizes) > MAX_MLP_LAYERS:
+        collector.add("model.hidden_sizes", f"got {len(sizes):,} hidden layers; at most {MAX_MLP_LAYERS:,} are "
+                                            "allowed")
+
+
+#: Elements of a synthetic dataset (num_samples x image_size^2): 1 GiB as float32.
+SYNTHETIC_MAX_ELEMENTS = 2**28
+
+
+def _synthetic_data_fits(values: Values, collector: ProblemCollector) -> None:
+    if values.get("data.name") != "synthetic":
+        return
+    samples, size = values.get("data.num_samples"), values.get("data.image_size")
+    if samples is not None and size is not None and samples * size * size > SYNTHETIC_MAX_ELEMENTS:
+        collector.add("data.num_samples", f"got {samples} images of {size}x{size}: {samples * size * size:,} values, "
+                                          f"more than the limit of {SYNTHETIC_MAX_ELEMENTS:,}; lower "
+                                          "data.num_samples or data.image_size")
+
+
 def _ordered(low_key: str, high_key: str, strict: bool) -> Callable[[Values, ProblemCollector], None]:
     """A rule: when both keys are set, ``low_key`` must be below (``strict``) or at most ``high_key``."""
     def rule(values: Values, collector: ProblemCollector) -> None:
@@ -74,6 +127,10 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _betas_below_one,
     _milestones_are_increasing_fractions,
     _dataset_root_given,
+    _run_name_is_one_path_component,
+    _paths_have_no_nul,
+    _synthetic_data_fits,
+    _mlp_depth_bounded,
     _ordered("loss_scaling.dynamic.min_scale", "loss_scaling.dynamic.max_scale", strict=False),
     _ordered("loss_scaling.adaptive.u_min", "loss_scaling.adaptive.u_max", strict=True),
 )

@@ -23,6 +23,14 @@ FLOOR_BEHAVIOURS = ("clamp", "raise")
 OVERFLOW_BEHAVIOURS = ("skip", "retry")
 ADAPTIVE_METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
 SCALE_MAX = 1e38  # scales live in float32 tensors (largest finite value 3.4e38)
+# Bounds that keep a typo from asking for the impossible (a run of 1e20 steps, a layer of 1e9 units); far above
+# any real experiment. The model's total parameter count is bounded too, before it is built (adaloss_cli.limits).
+SEED_MAX = 2**32 - 1  # NumPy's legacy seeding (Chainer) takes 32-bit seeds
+WIDTH_MAX = 2**20
+MAX_STEPS = 10**9
+MAX_CLASSES = 100_000
+SYNTHETIC_MAX_SAMPLES = 10**7
+SYNTHETIC_MAX_IMAGE_SIZE = 1024
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
@@ -50,7 +58,8 @@ def section(cls: type, help: str) -> Any:
 class RunConfig:
     """Identity of the experiment."""
     name: str = option("experiment", "Run name; the run directory is <output.root>/<name>-<method>-<timestamp>.")
-    seed: int = option(0, "Seed for weights, data order and augmentation: same seed, same numbers on CPU.", min=0)
+    seed: int = option(0, "Seed for weights, data order and augmentation: same seed, same numbers on CPU.", min=0,
+                       max=SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,9 @@ class ModelConfig:
     """Which network to build."""
     name: str = option("mlp", "Architecture.", choices=MODELS)
     hidden_sizes: tuple = option(None, "MLP only: widths of the hidden layers.", item_type=int, min=1,
-                                 default_factory=lambda: (128, 128))
-    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage).", min=1)
+                                 max=WIDTH_MAX, default_factory=lambda: (128, 128))
+    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage).", min=1,
+                        max=WIDTH_MAX)
     dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg).", min=0.0, max=1.0)
 
 
@@ -73,9 +83,10 @@ class DataConfig:
                                  min=0.0, max=0.9, exclusive_min=True)
     augment: bool = option(True, "cifar: random pad-4 crop and horizontal flip on training images.")
     normalize: bool = option(True, "Standardise inputs with the training set's per-channel mean and std.")
-    num_samples: int = option(512, "synthetic: number of examples.", min=2)
-    num_classes: int = option(10, "synthetic: number of classes.", min=2)
-    image_size: int = option(8, "synthetic: height and width of the (1-channel) images.", min=4)
+    num_samples: int = option(512, "synthetic: number of examples.", min=2, max=SYNTHETIC_MAX_SAMPLES)
+    num_classes: int = option(10, "synthetic: number of classes.", min=2, max=MAX_CLASSES)
+    image_size: int = option(8, "synthetic: height and width of the (1-channel) images.", min=4,
+                             max=SYNTHETIC_MAX_IMAGE_SIZE)
     limit_train: Optional[int] = option(None, "Use only the first N training examples (quick experiments).", min=1)
 
 
@@ -106,8 +117,10 @@ class ScheduleConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """How long and how to train."""
-    epochs: int = option(10, "Passes over the training set (ignored when `iterations` is set).", min=1)
-    iterations: Optional[int] = option(None, "Total optimizer steps; overrides `epochs` when set.", min=1)
+    epochs: int = option(10, "Passes over the training set (ignored when `iterations` is set).", min=1,
+                         max=MAX_STEPS)
+    iterations: Optional[int] = option(None, "Total optimizer steps; overrides `epochs` when set.", min=1,
+                                       max=MAX_STEPS)
     batch_size: int = option(64, "Examples per micro-batch; with several processes the global batch, split evenly "
                              "across them.", min=1)
     eval_batch_size: int = option(256, "Examples per evaluation batch.", min=1)
@@ -133,7 +146,7 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class FixedScalingConfig:
     """Static loss scaling."""
-    scale: float = option(128.0, "The constant loss scale S.", min=0.0, exclusive_min=True)
+    scale: float = option(128.0, "The constant loss scale S.", min=0.0, max=SCALE_MAX, exclusive_min=True)
     skip_on_overflow: bool = option(True, "Skip the optimizer step when a gradient is not finite "
                                     "(MindSpore's drop_overflow_update).")
 
@@ -145,13 +158,13 @@ class DynamicScalingConfig:
     Fields left unset (null) take the preset's value.
     """
     preset: str = option("pytorch", "Defaults to start from.", choices=DYNAMIC_PRESETS)
-    init_scale: Optional[float] = option(None, "Initial loss scale. null: the preset's value.", min=0.0, exclusive_min=True)
+    init_scale: Optional[float] = option(None, "Initial loss scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
     growth_factor: Optional[float] = option(None, "Multiplier after growth_interval clean steps. null: the preset's value.", min=1.0)
     backoff_factor: Optional[float] = option(None, "Multiplier on overflow. null: the preset's value.", min=0.0, max=1.0, exclusive_min=True)
     growth_interval: Optional[int] = option(None, "Clean steps in a row before the scale grows. null: the preset's value.", min=1)
     hysteresis: Optional[int] = option(None, "Overflows tolerated before the scale backs off. null: the preset's value.", min=1)
-    min_scale: Optional[float] = option(None, "Floor of the scale. null: the preset's value.", min=0.0, exclusive_min=True)
-    max_scale: Optional[float] = option(None, "Ceiling of the scale. null: the preset's value.", min=0.0, exclusive_min=True)
+    min_scale: Optional[float] = option(None, "Floor of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
+    max_scale: Optional[float] = option(None, "Ceiling of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
     on_floor: Optional[str] = option(None, "At min_scale with another overflow: clamp (keep going) or raise "
                                      "(stop the run as diverged).", choices=FLOOR_BEHAVIOURS)
     on_overflow: Optional[str] = option(None, "skip the step, or retry the same batch with the smaller scale.",
