@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from adaloss_cli.backends.chainer.adapter import ChainerBackend  # noqa: E402
 from adaloss_cli.config import load_config_dict  # noqa: E402
 from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
 from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss_cli.results.checkpoint_format import load_checkpoint, save_checkpoint  # noqa: E402
 
 from conftest import write_config  # noqa: E402
 
@@ -255,7 +255,7 @@ def test_a_recorded_step_reports_every_layer_and_changes_nothing(digits, batches
     ("dynamic", {"name": "mlp", "hidden_sizes": [32], "dropout": 0.3}, {"name": "adam", "lr": 0.01}),
 ])
 def test_state_dict_round_trip_continues_exactly_like_an_uninterrupted_run(digits, batches, method, model,
-                                                                           optimizer):
+                                                                           optimizer, tmp_path):
     options = {"adaptive": {"update_per_n_iteration": 2, "u_min": 1e-4},
                "dynamic": {"growth_interval": 2}}[method]
     config = make_config("float16", method, model=model, loss_scaling={method: options},
@@ -266,7 +266,9 @@ def test_state_dict_round_trip_continues_exactly_like_an_uninterrupted_run(digit
     first = backend_for(config, digits)
     for i in range(3):
         first.train_step([batches[i]], lr=0.05, record=i == 1)
-    saved = pickle.loads(pickle.dumps(first.state_dict()))  # as the checkpoint store writes it
+    with open(tmp_path / "state.ckpt", "wb") as handle:  # as the checkpoint store writes and reads it
+        save_checkpoint(handle, first.state_dict())
+    saved = load_checkpoint(tmp_path / "state.ckpt")
     assert saved["scaler"]["method"] == method and "policy" in saved["scaler"] and "layers" in saved["scaler"]
     np.random.seed(123)  # a resumed process starts with other global RNG states
     resumed = backend_for(config, digits)

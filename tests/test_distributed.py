@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from adaloss_cli.distributed import World, check_world, without_option  # noqa: 
 from adaloss_cli.engine import FAULT_ENV, _fault_steps  # noqa: E402
 from adaloss_cli.errors import UserError  # noqa: E402
 from adaloss_cli.experiment import run_experiment  # noqa: E402
+from adaloss_cli.results.checkpoints import read_checkpoint  # noqa: E402
 
 METHODS = {
     "none": {},
@@ -179,9 +179,7 @@ def torchrun(*args: str) -> list[str]:
 
 
 def final_checkpoint(run_dir: Path) -> dict:
-    newest = sorted((run_dir / "checkpoints").glob("step-*.ckpt"))[-1]
-    with open(newest, "rb") as handle:
-        return pickle.load(handle)
+    return read_checkpoint(sorted((run_dir / "checkpoints").glob("step-*.ckpt"))[-1])
 
 
 def steps(run_dir: Path) -> list[dict]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import signal
 import subprocess
@@ -12,11 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
 from adaloss_cli.engine import FAULT_ENV
+from adaloss_cli.results.checkpoint_format import save_checkpoint
+from adaloss_cli.results.checkpoints import read_checkpoint
 from tests.conftest import write_config
 
 METHOD_OPTIONS = {
@@ -27,10 +29,10 @@ METHOD_OPTIONS = {
 }
 
 
-def resumable_config(tmp_path: Path, method: str, iterations: int = 30) -> Path:
+def resumable_config(tmp_path: Path, method: str, iterations: int = 30, backend: str = "torch") -> Path:
     """A float16 run with dropout (so RNG state matters), frequent checkpoints and per-layer records."""
     return write_config(
-        tmp_path / f"{method}.yaml",
+        tmp_path / f"{method}.yaml", backend=backend,
         model={"name": "mlp", "hidden_sizes": [32, 32], "dropout": 0.2},
         precision={"dtype": "float16"},
         loss_scaling={"method": method, **METHOD_OPTIONS[method]},
@@ -66,9 +68,7 @@ def comparable_steps(run_dir: Path) -> list[dict]:
 
 
 def final_state(run_dir: Path) -> dict:
-    newest = sorted((run_dir / "checkpoints").glob("step-*.ckpt"))[-1]
-    with open(newest, "rb") as handle:
-        return pickle.load(handle)["backend"]
+    return read_checkpoint(sorted((run_dir / "checkpoints").glob("step-*.ckpt"))[-1])["backend"]
 
 
 TIMING_KEYS = {"wall_time_s", "time_per_step_s", "peak_memory_mb"}
@@ -85,14 +85,28 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert metrics == [line.rsplit(",", 1)[0] for line in (b / "metrics.csv").read_text().splitlines()]
     ma, mb = final_state(a), final_state(b)
     assert ma["model"].keys() == mb["model"].keys()
-    for key in ma["model"]:
-        assert torch.equal(ma["model"][key], mb["model"][key]), key
+    for key in ma["model"]:  # torch tensors, or the Chainer backend's NumPy arrays
+        assert np.array_equal(np.asarray(ma["model"][key]), np.asarray(mb["model"][key])), key
     assert repr(ma["scaler"]) == repr(mb["scaler"])
 
 
-@pytest.mark.parametrize("method", list(METHOD_OPTIONS))
-def test_a_run_killed_with_sigkill_and_resumed_ends_exactly_like_an_uninterrupted_one(tmp_path, invoke, method):
-    config = resumable_config(tmp_path, method, iterations=80)  # well past the kill point, even on an idle machine
+def chainer_or_skip() -> None:
+    from adaloss_cli.backends.chainer._compat import is_chainer_available
+
+    if not is_chainer_available():
+        pytest.skip("Chainer is not installed")
+
+
+KILLED_RUNS = [(method, "torch") for method in METHOD_OPTIONS] + [("adaptive", "chainer")]
+
+
+@pytest.mark.parametrize("method,backend", KILLED_RUNS, ids=[f"{b}-{m}" for m, b in KILLED_RUNS])
+def test_a_run_killed_with_sigkill_and_resumed_ends_exactly_like_an_uninterrupted_one(tmp_path, invoke, method,
+                                                                                      backend):
+    if backend == "chainer":
+        chainer_or_skip()
+    # 80 steps: well past the kill point, even on an idle machine
+    config = resumable_config(tmp_path, method, iterations=80, backend=backend)
     reference = tmp_path / "reference"
     assert invoke("train", "--config", config, "--out", reference, "--quiet").exit_code == 0
     killed = tmp_path / "killed"
@@ -179,8 +193,9 @@ def test_resume_refuses_a_completed_a_foreign_and_an_incompatible_directory(tmp_
     meta = json.loads((done / "meta.json").read_text())
     (done / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
     newest = sorted((done / "checkpoints").glob("*.ckpt"))[-1]
-    record = pickle.loads(newest.read_bytes())
-    newest.write_bytes(pickle.dumps({**record, "format": 999, "adaloss": "9.9"}))
+    record = read_checkpoint(newest)
+    with open(newest, "wb") as handle:
+        save_checkpoint(handle, {**record, "format": 999, "adaloss": "9.9"})
     result = invoke("train", "--resume", done)
     assert result.exit_code == 2 and "incompatible adaloss version" in result.output
     assert "Traceback" not in result.output
@@ -229,11 +244,28 @@ BAD_INPUTS = [
     ("unwritable output", {"set": ["output.root=/proc/adaloss-runs"]}, 2, "/proc/adaloss-runs"),
     ("existing run directory", {"existing_out": True}, 2, "--overwrite"),
     ("resume and config together", {"args": ["--resume", "/tmp"]}, 2, "exactly one of"),
+    # issue 19: user mistakes that were internal errors, runs without end or allocations without end
+    ("huge fixed scale", {"set": ["loss_scaling.method=fixed", "loss_scaling.fixed.scale=1e300"]}, 2,
+     "fixed.scale: got 1e+300; must be a number > 0 and <= 1e+38"),
+    ("huge dynamic scale", {"set": ["loss_scaling.dynamic.init_scale=1e300"]}, 2, "<= 1e+38"),
+    ("NUL in run.name", {"set": ['run.name="a\\0b"']}, 2, "must not contain control characters"),
+    ("raw NUL in --set", {"set": ["run.name=a\0b"]}, 2, "special characters are not allowed"),
+    ("run.name is a path", {"set": ["run.name=../x"]}, 2, "must be one folder name"),
+    ("NUL in output.root", {"set": ['output.root="runs\\0x"']}, 2, "cannot contain a NUL character"),
+    ("output.root is a file", {"root_file": True}, 2, "is not a directory; set output.root to a folder"),
+    ("output.root is /dev/null", {"set": ["output.root=/dev/null"]}, 2, "'/dev/null' is not a directory"),
+    ("layer too wide", {"set": ["model.hidden_sizes=[1000000000]"]}, 2, "<= 1048576"),
+    ("model too large", {"set": ["model.hidden_sizes=[1000000, 1000000]"]}, 2, "parameters, more than the limit"),
+    ("endless iterations", {"set": ["training.iterations=100000000000000000000"]}, 2, "<= 1000000000"),
+    ("endless epochs", {"set": ["training.iterations=null", "training.epochs=1000000000"]}, 2,
+     "optimizer steps (89 per epoch), more than the limit"),
+    ("unreadable data.root", {"unreadable_root": True}, 2, "the folder cannot be read (permission denied)"),
 ]
 
 
 @pytest.mark.parametrize("what,case,code,phrase", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_gets_one_clean_error_and_writes_nothing(tmp_path, invoke, what, case, code, phrase):
+def test_bad_input_gets_one_clean_error_and_writes_nothing(tmp_path, invoke, monkeypatch, what, case, code,
+                                                          phrase):
     if what == "cuda without cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     config = write_config(tmp_path / "tiny.yaml")
@@ -249,6 +281,15 @@ def test_bad_input_gets_one_clean_error_and_writes_nothing(tmp_path, invoke, wha
                      "t10k-labels-idx1-ubyte"):
             (mnist / name).write_bytes(b"\x00\x00\x08\x03garbage")
         args += ["--set", "data.name=mnist", "--set", f"data.root={mnist}"]
+    if case.get("root_file"):
+        (tmp_path / "afile").write_text("not a folder")
+        args += ["--set", f"output.root={tmp_path / 'afile'}"]
+    if case.get("unreadable_root"):  # chmod cannot take read access from root, who runs the tests here
+        import adaloss_cli.data.readers as readers
+
+        (tmp_path / "mnist").mkdir()
+        monkeypatch.setattr(readers.os, "access", lambda path, mode: Path(path) != tmp_path / "mnist")
+        args += ["--set", "data.name=mnist", "--set", f"data.root={tmp_path / 'mnist'}"]
     if case.get("existing_out"):
         out = tmp_path / "existing"
         out.mkdir()
@@ -258,7 +299,7 @@ def test_bad_input_gets_one_clean_error_and_writes_nothing(tmp_path, invoke, wha
     result = invoke(*args)
     assert result.exit_code == code, result.output
     error_lines = [line for line in result.output.splitlines() if line.startswith("Error")]
-    assert error_lines and phrase in result.output
+    assert len(error_lines) == 1 and phrase in result.output, result.output
     assert "Traceback" not in result.output
     runs = tmp_path / "runs"
     assert not runs.exists() or not any(runs.iterdir()), "a run directory was left behind"
@@ -272,7 +313,7 @@ def test_a_full_disk_during_a_checkpoint_is_a_runtime_error_with_the_fix(tmp_pat
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoints.pickle, "dump", full_disk)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
     config = resumable_config(tmp_path, "none", iterations=6)
     run_dir = tmp_path / "full"
     result = invoke("train", "--config", config, "--out", run_dir, "--quiet")

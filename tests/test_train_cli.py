@@ -17,7 +17,8 @@ from adaloss_cli.config import load_config, load_config_dict
 from adaloss_cli.core.presets import resolve_dynamic
 from adaloss_cli.experiment import resolved_config_dict
 from adaloss_cli.results.run_writer import METRICS_COLUMNS, SCALES_COLUMNS
-from adaloss_cli.results.rundir import RUN_FILES
+from adaloss_cli.results.locks import LOCK_FILE
+from adaloss_cli.results.rundir import MARKER, RUN_FILES
 
 from conftest import write_config
 
@@ -50,7 +51,7 @@ def test_train_writes_every_file_of_the_run_directory(invoke, tmp_path, method, 
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == str(out)
     written = {p.name for p in out.iterdir()}
-    assert REQUIRED_FILES <= written <= set(RUN_FILES), written
+    assert REQUIRED_FILES <= written <= {*RUN_FILES, MARKER, LOCK_FILE}, written
     if "scales.csv" in written:  # per-layer records of the recorded steps (every record_every = 2 steps)
         with open(out / "scales.csv", newline="") as handle:
             reader = csv.DictReader(handle)
