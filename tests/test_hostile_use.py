@@ -172,9 +172,27 @@ def test_expansions_past_the_run_limit_are_refused(tmp_path, invoke):
                                                                 "training.iterations": list(range(1, 101))}}))
     result = invoke("batch", sweep, "--dry-run")
     assert result.exit_code == 2 and "makes 100,000,000 runs, more than the limit of 10,000" in result.output
+
+
+def test_outputs_that_are_not_folders_are_refused(tmp_path, invoke):
+    config = write_config(tmp_path / "c.yaml")
+    run_dir = tmp_path / "run"
+    assert invoke("train", "--config", config, "--out", run_dir, "--quiet").exit_code == 0
+    (tmp_path / "afile").write_text("a file")
+    sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"base": "c.yaml", "out": "/dev/null", "grid": {"run.seed": [0]}}))
-    result = invoke("batch", sweep)
-    assert result.exit_code == 2 and "'/dev/null' exists and is not a directory" in one_error_line(result.output)
+    cases = [  # (arguments, phrase)
+        (["batch", sweep], "'/dev/null' exists and is not a directory"),
+        (["train", "--config", config, "--out", "/dev/null"], "'/dev/null' exists and is not a directory"),
+        (["train", "--config", config, "--out", tmp_path / "afile" / "run"], "is not a directory"),
+        (["report", run_dir, "--out", "/dev/null"], "into '/dev/null': it is not a directory"),
+        (["report", run_dir, "--out", tmp_path / "afile" / "x"], "Not a directory"),
+    ]
+    for args, phrase in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert phrase in one_error_line(result.output), args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.yaml", "run", "sweep.yaml"]
 
 
 # -- one writer per directory -------------------------------------------------------------------------------------

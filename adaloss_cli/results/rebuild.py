@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from adaloss_cli.errors import UserError
 from adaloss_cli.results.comparison import Group, aggregate, to_markdown, write_tables
 from adaloss_cli.results.files import remove_stale_temp_files
 from adaloss_cli.results.index import COMPARE, TABLE_STEM, title_of
@@ -62,7 +64,13 @@ def write_outputs(folder: Path, groups: Sequence[Group], kind: str, plots: bool 
 
     outputs = compute(groups, kind)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write tables and plots into '{folder}': {err.strerror or err}; choose a folder "
+                        "(--out)") from None
     _remove_stale_temp_files_if_idle(folder)
     stem = TABLE_STEM.get(kind, TABLE_STEM[COMPARE])
     written = write_tables(folder, stem, outputs.rows, outputs.key_columns, outputs.title)
