@@ -87,7 +87,7 @@ class CheckpointStore:
             except UserError:
                 raise
             except Exception as err:  # torn or corrupt: torch.load's zip reader raises nearly any type
-                skipped.append(f"{path.name} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+                skipped.append(f"{path.name} ({_first_sentence(err)})")
                 continue
             return Latest(record, skipped)
         if skipped:
@@ -95,6 +95,13 @@ class CheckpointStore:
                             "cannot continue where it stopped: start it again (train --config ... --out "
                             f"{self.folder.parent} --overwrite)")
         return Latest(None)
+
+
+def _first_sentence(err: Exception, limit: int = 100) -> str:
+    """``Type: first sentence of the message`` (torch's zip errors run to several sentences)."""
+    text = str(err).strip().split("\n")[0].split(". ")[0]
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
