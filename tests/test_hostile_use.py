@@ -99,7 +99,10 @@ def test_overwrite_replaces_only_a_run_directory_adaloss_made(tmp_path, invoke, 
     (project / "meta.json").write_text("{}")
     (project / "src" / "main.py").write_text("print('years of work')")
     (tmp_path / "link").symlink_to(real)
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / ".lock").symlink_to(project / "src" / "main.py")  # must not be truncated
     cases = [  # (--out, directory to run from, phrase)
+        (tmp_path / "planted", tmp_path, "its .lock is a symbolic link"),
         (project, tmp_path, "not an adaloss run directory"),
         (tmp_path / "link", tmp_path, "is a symbolic link"),
         (Path("."), real, "is the current directory"),

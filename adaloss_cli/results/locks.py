@@ -8,6 +8,7 @@ that a second writer is told who is using the directory. Without ``fcntl`` (not 
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -46,8 +47,11 @@ class DirectoryLock:
         try:  # never through a symbolic link: a planted .lock must not make us truncate its target
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except OSError as err:
-            raise UserError(f"cannot lock '{folder}': {path.name} cannot be opened ({err.strerror or err}); "
-                            "remove it if it is not a regular file") from None
+            if err.errno == errno.ELOOP:
+                raise UserError(f"cannot lock '{folder}': its {LOCK_FILE} is a symbolic link; adaloss never writes "
+                                "through one: remove it") from None
+            raise UserError(f"cannot write in '{folder}' ({err.strerror or err}); choose a writable "
+                            "directory") from None
         handle = os.fdopen(fd, "r+", encoding="utf-8")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
