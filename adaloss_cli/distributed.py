@@ -294,8 +294,9 @@ def without_option(argv: Sequence[str], name: str) -> list[str]:
 
 def launch(argv: Sequence[str], nproc_per_node: int,
            command: Sequence[str] | None = None) -> tuple[int, str | None]:
-    """Run ``python -m adaloss_cli ARGV`` in ``nproc_per_node`` processes on this machine through torch's elastic
-    launcher, as ``torchrun --standalone --nproc-per-node N`` does (a free local port, no restarts).
+    """Run ``adaloss ARGV`` in ``nproc_per_node`` processes on this machine through torch's elastic launcher, as
+    ``torchrun --standalone --nproc-per-node N`` does (a free local port, no restarts). The processes run this same
+    adaloss whatever their working directory holds (:mod:`adaloss_cli.self_command`).
 
     Returns rank 0's exit code (or the first failure's; 128 + N when the launcher itself was stopped by signal N)
     and, when a process died without a word (killed by a signal), a line saying which. Without OMP_NUM_THREADS set,
@@ -304,6 +305,8 @@ def launch(argv: Sequence[str], nproc_per_node: int,
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from adaloss_cli.self_command import python_args
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     if command is not None:
@@ -315,7 +318,7 @@ def launch(argv: Sequence[str], nproc_per_node: int,
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
     try:
-        elastic_launch(config, sys.executable)("-m", "adaloss_cli", *argv)
+        elastic_launch(config, sys.executable)(*python_args(), *argv)
     except ChildFailedError as err:
         rank = 0 if 0 in err.failures else err.get_first_failure()[0]
         code = err.failures[rank].exitcode

@@ -136,8 +136,12 @@ def test_invalid_sweep_reports_every_problem_before_running(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
-def test_jobs_run_children_as_parallel_processes(tmp_path):
+def test_jobs_run_children_as_parallel_processes(tmp_path, monkeypatch):
     sweep = write_sweep(tmp_path, grid={"loss_scaling.method": ["none", "dynamic"]})
+    # Children run this adaloss even where `python -m adaloss_cli` would import another (a source tree's root).
+    (tmp_path / "cwd" / "adaloss_cli").mkdir(parents=True)
+    (tmp_path / "cwd" / "adaloss_cli" / "__init__.py").write_text("raise SystemExit('wrong adaloss_cli')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
     result = run_cli("batch", sweep, "--jobs", "2", "--quiet", "--no-plots")
     assert result.exit_code == 0, result.output
     runs = tmp_path / "sweep" / "runs"

@@ -1,5 +1,5 @@
 """Run the child experiments of ``compare`` and ``batch``: one after another in this process, or N at a time as
-``python -m adaloss_cli train`` subprocesses.
+``adaloss train`` subprocesses.
 
 A child's outcome is read back from its run directory (:func:`run_status`), not from the exception that ended it:
 ``completed`` and ``diverged`` are results, ``failed`` (or ``missing``: stopped before its directory existed) is a
@@ -24,6 +24,7 @@ from tqdm import tqdm
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.errors import AdalossError, Interrupted
 from adaloss_cli.results.rundata import FINISHED, RunData, run_status
+from adaloss_cli.self_command import adaloss_command
 from adaloss_cli.signals import signal_of
 
 #: Statuses that are a failure of the child (not a result of the experiment).
@@ -200,7 +201,8 @@ class _Process:
 
 
 def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
-    """Start ``python -m adaloss_cli train --config <child's validated config> --out <run dir> --quiet``.
+    """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet`` in a new process that
+    runs the same adaloss as this one (:mod:`adaloss_cli.self_command`).
 
     ``stem`` names the child's scratch files (its config and its captured stderr).
     """
@@ -210,7 +212,7 @@ def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
     with open(stderr_path, "w", encoding="utf-8") as stderr:
         # A session of its own: Ctrl-C reaches only this process, which then asks each child once to stop (a
         # second signal would make the child stop at once, without its checkpoint).
-        popen = subprocess.Popen([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config_path),
-                                  "--out", str(child.run_dir), "--quiet"], env=env, stdout=subprocess.DEVNULL,
+        popen = subprocess.Popen([*adaloss_command(), "train", "--config", str(config_path), "--out",
+                                  str(child.run_dir), "--quiet"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=stderr, start_new_session=os.name == "posix")
     return _Process(child, popen, stderr_path)
