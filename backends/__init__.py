@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
+from adaloss_cli.backends.chainer._compat import INSTALL_COMMAND as CHAINER_INSTALL_COMMAND
 from adaloss_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -21,11 +22,10 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "chainer": ("adaloss_cli.backends.chainer.adapter", "ChainerBackend", "chainer"),
 }
 
-# How to install a backend's framework (Chainer's build needs setuptools<81 pinned while it compiles).
+# How to install a backend's framework (Chainer's build needs setuptools<81: see its INSTALL_COMMAND).
 _INSTALL_HINTS: dict[str, str] = {
     "torch": "pip install torch==2.13.0 (CPU) or a CUDA build of torch",
-    "chainer": "run make install-chainer, or: echo 'setuptools<81' > c.txt && PIP_CONSTRAINT=c.txt "
-               "pip install 'adaloss[chainer]'",
+    "chainer": f"install it with: {CHAINER_INSTALL_COMMAND} (in a checkout: make install-chainer)",
 }
 
 # Backends named in the config schema that are not implemented yet, with the message users get.
@@ -42,6 +42,11 @@ def is_backend_installed(name: str) -> bool:
     return name in _REGISTRY and importlib.util.find_spec(_REGISTRY[name][2]) is not None
 
 
+def install_hint(name: str) -> str:
+    """How to install the framework a backend needs."""
+    return _INSTALL_HINTS.get(name, f"pip install {_REGISTRY[name][2]}")
+
+
 def get_backend(name: str) -> type["Backend"]:
     """The adapter class of a backend; a clear UserError if it is unknown, planned or not installed."""
     if name in _PLANNED:
@@ -51,5 +56,5 @@ def get_backend(name: str) -> type["Backend"]:
     module_name, class_name, framework = _REGISTRY[name]
     if not is_backend_installed(name):
         raise UserError(f"backend '{name}' needs the '{framework}' package, which is not installed; "
-                        f"{_INSTALL_HINTS.get(name, f'pip install {framework}')}, or choose another backend")
+                        f"{install_hint(name)}, or choose another backend")
     return getattr(importlib.import_module(module_name), class_name)

@@ -273,6 +273,20 @@ def test_env_prints_versions_and_backends(invoke):
     assert "backend torch: installed" in result.stdout
 
 
+def test_env_json_and_the_install_command_of_a_missing_backend(invoke, monkeypatch):
+    data = json.loads(invoke("env", "--json").stdout)
+    assert data["packages"]["torch"] == torch.__version__ and data["backends"]["torch"]["installed"] is True
+    assert data["backends"]["torch"]["devices"][0] == "cpu"
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "chainer" else real_find_spec(name, *a))
+    lines = invoke("env").stdout.splitlines()
+    assert "backend chainer: not installed; install it with: pip install 'setuptools>=77,<81' && pip install " \
+           "--no-build-isolation 'adaloss[chainer]' (in a checkout: make install-chainer)" in lines
+
+
 def test_validate_good_file_exits_0(invoke, tiny_config):
     result = invoke("validate", tiny_config)
     assert result.exit_code == 0

@@ -16,10 +16,16 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["import_chainer", "import_cupy", "is_chainer_available", "is_cupy_available"]
+__all__ = ["INSTALL_COMMAND", "import_chainer", "import_cupy", "is_chainer_available", "is_cupy_available"]
 
-_INSTALL_HINT = ("install it with: PIP_CONSTRAINT=<file containing 'setuptools<81'> pip install 'adaloss[chainer]' "
-                 "(Chainer 7.8.1 needs Python <= 3.11, numpy<2 and setuptools>=77,<81)")
+#: How to install Chainer, with every pip: Chainer 7.8.1 is an sdist whose build imports pkg_resources, gone from
+#: setuptools 81. pip builds it in an isolated environment with the newest setuptools unless told otherwise, and
+#: pip 26.2 stopped passing PIP_CONSTRAINT into that environment; building without isolation, against a
+#: setuptools<81 installed first (which Chainer also needs at run time), works with old and new pip alike.
+INSTALL_COMMAND = "pip install 'setuptools>=77,<81' && pip install --no-build-isolation 'adaloss[chainer]'"
+
+_INSTALL_HINT = (f"install it with: {INSTALL_COMMAND} (in a checkout: make install-chainer; Chainer 7.8.1 needs "
+                 "Python <= 3.11, numpy<2 and setuptools>=77,<81)")
 
 
 def is_chainer_available() -> bool:
