@@ -59,3 +59,39 @@ def test_nproc_per_node_launches_its_processes_with_the_same_command(monkeypatch
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert launch(["train", "--config", "c.yaml"], 2) == (0, None)
     assert launched == [(sys.executable, [*python_args(), "train", "--config", "c.yaml"])]
+
+
+def test_adaloss_torch_is_the_torch_backends_public_api():
+    pytest.importorskip("torch")
+    import adaloss.torch
+    import adaloss_cli.backends.torch as backend
+
+    assert adaloss.torch.__all__ == backend.__all__ and "LossScaler" in adaloss.torch.__all__
+    for name in backend.__all__:
+        assert getattr(adaloss.torch, name) is getattr(backend, name), name
+
+
+def test_adaloss_chainer_without_chainer_says_how_to_install_it(monkeypatch):
+    import importlib
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "chainer" else real_find_spec(name, *a))
+    monkeypatch.delitem(sys.modules, "adaloss.chainer", raising=False)
+    with pytest.raises(ImportError, match=r"pip install --no-build-isolation 'adaloss\[chainer\]'"):
+        importlib.import_module("adaloss.chainer")
+
+
+def test_adaloss_chainer_is_the_chainer_backends_public_api():
+    compat = pytest.importorskip("adaloss_cli.backends.chainer._compat")
+    try:
+        compat.import_chainer()
+    except ImportError as err:
+        pytest.skip(str(err))
+    import adaloss.chainer
+    import adaloss_cli.backends.chainer as backend
+
+    assert adaloss.chainer.__all__ == backend.__all__
+    for name in backend.__all__:
+        assert getattr(adaloss.chainer, name) is getattr(backend, name), name

@@ -1,0 +1,13 @@
+"""adaloss: fp16 mixed-precision training with none, fixed, dynamic or adaptive per-layer loss scaling.
+
+The library, by framework (each re-exports that backend's public API and follows it)::
+
+    from adaloss.torch import LossScaler, MixedPrecisionForward     # PyTorch
+    from adaloss.chainer import LossScaler, Fork                    # Chainer (pip install 'adaloss[chainer]')
+
+The command line is ``adaloss`` (``python -m adaloss_cli``); its code lives in the ``adaloss_cli`` package.
+"""
+
+from adaloss_cli import __version__
+
+__all__ = ["__version__"]
