@@ -36,7 +36,7 @@ install-chainer: $(VENV)/.installed-chainer
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(BIN)/adaloss compare fp32 none fixed dynamic adaptive --config configs/digits.yaml --set training.epochs=10
+	$(BIN)/adaloss compare fp32 none fixed dynamic adaptive --config digits --set training.epochs=10
 
 test: install-test
 	$(BIN)/python -m pytest -q

@@ -25,6 +25,8 @@ COMMANDS = {
               "Run a sweep file's grid or list of overrides, resumably; aggregated table."),
     "report": ("adaloss_cli.commands.report", "report",
                "Rebuild tables and plots from run, comparison or sweep directories (no training)."),
+    "configs": ("adaloss_cli.commands.configs", "configs",
+                "List the shipped experiment configs and sweeps by name, or print one."),
     "env": ("adaloss_cli.commands.env", "env", "Print versions, backends and devices (for bug reports)."),
 }
 
@@ -92,13 +94,17 @@ class LazyGroup(click.Group):
 def cli(ctx: click.Context, debug: bool) -> None:
     """Train with fp16 mixed precision and none, fixed, dynamic or adaptive per-layer loss scaling.
 
+    A config or sweep file is a YAML path or the name of a shipped one (`adaloss configs` lists them).
+
     \b
     Examples:
-      adaloss train --config configs/digits.yaml
-      adaloss train --config configs/digits.yaml --set loss_scaling.method=fixed --set precision.dtype=float16
-      adaloss compare fp32 none fixed dynamic adaptive --config configs/digits.yaml
+      adaloss configs
+      adaloss train --config digits
+      adaloss train --config digits --set loss_scaling.method=fixed --set precision.dtype=float16
+      adaloss compare fp32 none fixed dynamic adaptive --config digits
+      adaloss batch sweeps/digits --jobs 2
       adaloss train --resume runs/digits-cnn-dynamic-20261121-120000
-      adaloss validate configs/*.yaml
+      adaloss validate digits sweeps/digits
       adaloss env
     """
     ctx.obj = {"debug": debug}

@@ -152,12 +152,35 @@ def test_jobs_run_children_as_parallel_processes(tmp_path, monkeypatch):
         assert summary_of(runs / name)["steps"] == 4
 
 
-def test_shipped_sweep_example_is_valid():
+def test_shipped_sweep_example_is_valid_and_runs_by_name(tmp_path, monkeypatch):
     path = REPO / "configs" / "sweeps" / "digits.yaml"
     sweep = load_sweep(path)
     assert len(sweep.points) == 12 and sweep.out == Path("runs/sweep-digits")
-    result = run_cli("batch", path, "--dry-run")
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("batch", "sweeps/digits", "--dry-run")
     assert result.exit_code == 0 and result.stdout.count("method=") == 12
+
+
+def test_set_overrides_every_run_but_not_a_swept_key(tmp_path):
+    sweep = write_sweep(tmp_path, grid={"loss_scaling.method": ["none"]})
+    result = run_cli("batch", sweep, "--set", "training.iterations=2", "--quiet", "--no-plots")
+    assert result.exit_code == 0, result.output
+    assert summary_of(tmp_path / "sweep" / "runs" / "method=none")["steps"] == 2
+    assert json.loads((tmp_path / "sweep" / "index.json").read_text())["overrides"] == ["training.iterations=2"]
+    result = run_cli("batch", sweep, "--set", "loss_scaling.method=fixed", "--dry-run")
+    assert result.exit_code == 2
+    assert f"{sweep}: --set: loss_scaling.method is swept by this file" in result.stderr
+
+
+def test_validate_checks_a_sweep_as_a_sweep_and_batch_refuses_an_experiment_config(tmp_path):
+    sweep = write_sweep(tmp_path, grid={"training.optimizer.lr": [0.1, -1]})
+    result = run_cli("validate", sweep)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"Invalid sweep file {sweep} (1 problem):",
+                                          f"  {sweep}: grid.training.optimizer.lr: got -1.0; must be a number > 0"
+                                          " (in lr=-1)"]
+    result = run_cli("batch", tmp_path / "base.yaml")
+    assert result.exit_code == 2 and "is an experiment config, not a sweep file" in result.stderr
 
 
 def test_run_names_and_override_values():

@@ -227,3 +227,26 @@ def test_a_diverged_method_keeps_its_row_without_invented_numbers(tmp_path, monk
     index = json.loads((out / "index.json").read_text())
     assert [e["status"] for e in index["runs"]] == ["diverged", "diverged"]
     assert "0/1 (1 diverged)" in (out / "comparison.md").read_text()
+
+
+
+def without_timings(run_dir: Path) -> tuple[dict, list[dict], str | None]:
+    """A run's summary and steps without the wall-clock fields, and its scales.csv."""
+    summary = {k: v for k, v in json.loads((run_dir / "summary.json").read_text()).items()
+               if k not in ("wall_time_s", "time_per_step_s", "peak_memory_mb")}
+    steps = [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+             for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    scales = run_dir / "scales.csv"
+    return summary, steps, scales.read_text() if scales.exists() else None
+
+
+def test_jobs_run_the_same_children_in_parallel_processes_with_the_same_results(comparison):
+    out, _ = comparison
+    parallel = out.parent / "cmp-jobs"
+    result = run_cli("compare", "none", "adaptive", "--config", out.parent / "c.yaml", "--seeds", "1", "--device",
+                     "cpu", "--out", parallel, "--jobs", "2", "--quiet", "--no-plots")
+    assert result.exit_code == 0, result.output
+    for name in ("none-seed1", "adaptive-seed1"):
+        ran = parallel / "runs" / name
+        assert json.loads((ran / "meta.json").read_text())["command"][:2] == ["adaloss", "train"]  # its own process
+        assert without_timings(ran) == without_timings(out / "runs" / name)

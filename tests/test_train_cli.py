@@ -125,6 +125,14 @@ def test_train_without_quiet_prints_the_summary(invoke, tiny_config, tmp_path):
     assert f"Run directory: {tmp_path / 'run'}" in result.stdout
 
 
+def test_train_json_prints_the_summary_alone_on_stdout(invoke, tiny_config, tmp_path):
+    result = invoke("train", "--config", tiny_config, "--out", tmp_path / "run", "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed == {"kind": "run", "dir": str(tmp_path / "run"),
+                       "summary": json.loads((tmp_path / "run" / "summary.json").read_text())}
+
+
 def test_existing_out_is_refused_without_overwrite_and_replaced_with_it(invoke, tiny_config, tmp_path):
     out = tmp_path / "run"
     assert train(invoke, tiny_config, out).exit_code == 0

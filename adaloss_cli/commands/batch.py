@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from adaloss_cli.cli import ARGV_KEY
+from adaloss_cli.commands.params import CONFIG_FILE
 
 
 def config_change(run_dir: Path, config) -> str | None:
@@ -28,7 +29,9 @@ def config_change(run_dir: Path, config) -> str | None:
 
 
 @click.command()
-@click.argument("sweep_file", type=click.Path(dir_okay=False, path_type=Path), metavar="SWEEP.yaml")
+@click.argument("sweep_file", type=CONFIG_FILE, metavar="SWEEP")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key in every run, after the sweep's own `set` (repeatable; values are YAML).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Sweep directory (default: the sweep file's `out`, else <output.root>/sweep-<file name>).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
@@ -39,13 +42,15 @@ def config_change(run_dir: Path, config) -> str | None:
 @click.option("--no-plots", is_flag=True, help="Write the summary table only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON on stdout (no Markdown).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the sweep directory.")
-def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool, dry_run: bool, no_plots: bool,
-          as_json: bool, quiet: bool) -> None:
+def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: int, continue_on_error: bool,
+          dry_run: bool, no_plots: bool, as_json: bool, quiet: bool) -> None:
     """Run every combination of a sweep file; re-running the command resumes it.
+
+    SWEEP is a sweep file or a shipped sweep's name (sweeps/digits; `adaloss configs` lists them).
 
     \b
     A sweep file names a base config and the overrides to sweep:
-      base: ../digits.yaml          # experiment config, relative to the sweep file
+      base: digits                  # a shipped config's name, or a file relative to the sweep file
       out: runs/sweep-digits        # sweep directory, relative to the current directory
       set: {training.epochs: 2}     # overrides common to every run (optional)
       grid:                         # cartesian product...
@@ -63,9 +68,10 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
 
     \b
     Examples:
-      adaloss batch configs/sweeps/digits.yaml
-      adaloss batch configs/sweeps/digits.yaml --jobs 2 --continue-on-error
-      adaloss batch configs/sweeps/digits.yaml --dry-run
+      adaloss batch sweeps/digits
+      adaloss batch sweeps/digits --jobs 2 --continue-on-error
+      adaloss batch sweeps/digits --set training.iterations=20 --out runs/quick-sweep
+      adaloss batch sweeps/digits --dry-run
     """
     from adaloss_cli.commands.report import show_outputs
     from adaloss_cli.errors import RuntimeFailure, UserError
@@ -76,7 +82,7 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
     from adaloss_cli.results.rundir import SWEEP as SWEEP_KIND, open_collection_dir, remove_run_dir
     from adaloss_cli.results.sweep import load_sweep
 
-    sweep = load_sweep(sweep_file, out)
+    sweep = load_sweep(sweep_file, out, overrides)
     folder = sweep.out
     states = {p.name: run_status(folder / "runs" / p.name) for p in sweep.points}
     if dry_run:
@@ -113,8 +119,8 @@ def batch(sweep_file: Path, out: Path | None, jobs: int, continue_on_error: bool
                 remove_run_dir(child.run_dir)
         (folder / "runs").mkdir(exist_ok=True)
         index: dict[str, Any] = {"kind": SWEEP, "sweep_file": str(sweep_file), "base": str(sweep.base),
-                                 "set": sweep.common, "swept": sweep.swept, "command": ["adaloss", *argv],
-                                 "runs": [child.entry for child in children]}
+                                 "set": sweep.common, "overrides": list(overrides), "swept": sweep.swept,
+                                 "command": ["adaloss", *argv], "runs": [child.entry for child in children]}
         write_index(folder, index)
         if not quiet and len(to_run) < len(children):
             click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}", err=True)

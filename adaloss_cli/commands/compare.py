@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from adaloss_cli.cli import ARGV_KEY
+from adaloss_cli.commands.params import CONFIG_FILE
 from adaloss_cli.commands.train import SET_HELP
 from adaloss_cli.config.schema import ADAPTIVE_METHODS, DYNAMIC_PRESETS
 
@@ -88,16 +89,16 @@ exit code 1 once everything is written.
 
 \b
 Examples:
-  adaloss compare fp32 none fixed dynamic adaptive --config configs/digits.yaml --set training.epochs=3
-  adaloss compare fixed:128 fixed:1024 dynamic:deepspeed adaptive --config configs/mlp.yaml --seeds 0 1 2
-  adaloss compare none adaptive --config configs/digits.yaml --out runs/cmp --quiet --json
+  adaloss compare fp32 none fixed dynamic adaptive --config digits --set training.epochs=3
+  adaloss compare fixed:128 fixed:1024 dynamic:deepspeed adaptive --config mlp --seeds 0 1 2 --jobs 2
+  adaloss compare none adaptive --config digits --out runs/cmp --quiet --json
 """.format(presets=", ".join(DYNAMIC_PRESETS), kinds=", ".join(ADAPTIVE_METHODS))
 
 
 @click.command(cls=_CompareCommand, help=HELP)
 @click.argument("methods", nargs=-1, required=True, metavar="METHOD...")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Experiment YAML file every method runs, e.g. configs/digits.yaml.")
+@click.option("--config", "config_path", required=True, type=CONFIG_FILE,
+              help="Experiment YAML file every method runs, or a shipped config's name (digits; `adaloss configs`).")
 @click.option("--seeds", "seed_values", multiple=True, metavar="SEED...",
               help="Seeds to run each method with: --seeds 0 1 2, --seeds 0,1,2 or --seeds 0-2 (default: the "
                    "config's run.seed). The table shows mean and std over seeds.")
@@ -107,11 +108,13 @@ Examples:
                    "<output.root>/compare-<run.name>-<time>/).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
               help="Override the config's device (auto = cuda when available).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs at once, each an `adaloss train` process with cores/N threads (as `adaloss batch --jobs`).")
 @click.option("--no-plots", is_flag=True, help="Write the table only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table rows as JSON on stdout (no Markdown).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the comparison directory.")
 def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str, ...], overrides: tuple[str, ...],
-            out: Path | None, device: str | None, no_plots: bool, as_json: bool, quiet: bool) -> None:
+            out: Path | None, device: str | None, jobs: int, no_plots: bool, as_json: bool, quiet: bool) -> None:
     from adaloss_cli.config import ConfigError, load_config
     from adaloss_cli.errors import RuntimeFailure, UserError
     from adaloss_cli.results.children import Child, ChildRunner
@@ -162,7 +165,7 @@ def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str,
              "command": ["adaloss", *argv], "runs": [child.entry for child in children]}
     write_index(folder, index)
     (folder / "runs").mkdir()
-    runner = ChildRunner(jobs=1, stop_on_failure=False, progress=not quiet, command=["adaloss", *argv],
+    runner = ChildRunner(jobs=jobs, stop_on_failure=False, progress=not quiet, command=["adaloss", *argv],
                          on_change=lambda: write_index(folder, index), desc="compare")
     try:
         failed = runner.run(children)

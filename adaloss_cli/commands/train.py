@@ -3,20 +3,22 @@ several: under torchrun, or launched by ``--nproc-per-node``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import click
 
 from adaloss_cli.cli import ARGV_KEY
+from adaloss_cli.commands.params import CONFIG_FILE
 from adaloss_cli.config import load_config
 
 SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeatable; values are YAML)."
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Experiment YAML file, e.g. configs/digits.yaml.")
+@click.option("--config", "config_path", type=CONFIG_FILE,
+              help="Experiment YAML file, or a shipped config's name (digits; `adaloss configs` lists them).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Continue an interrupted run directory from its newest checkpoint (instead of --config).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
@@ -27,12 +29,15 @@ SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeata
               help="Override the config's device (auto = cuda when available).")
 @click.option("--overwrite", is_flag=True, help="Replace the contents of an existing --out directory.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the run directory.")
+@click.option("--json", "as_json", is_flag=True,
+              help="At the end print {kind, dir, summary} as JSON on stdout (instead of the text summary); progress "
+                   "and warnings go to stderr.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, metavar="N",
               help="Train data-parallel in N processes on this machine (one per GPU, or CPU processes), launched "
                    "through torch's elastic launcher like `torchrun --standalone --nproc-per-node N`. "
                    "training.batch_size is the global batch, split evenly across the processes.")
 def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[str, ...], out: Path | None,
-          device: str | None, overwrite: bool, quiet: bool, nproc_per_node: int | None) -> None:
+          device: str | None, overwrite: bool, quiet: bool, as_json: bool, nproc_per_node: int | None) -> None:
     """Train and evaluate one experiment and write its run directory.
 
     The config is validated first (as `adaloss validate` does); the run directory then holds config.yaml (as run),
@@ -40,9 +45,10 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
 
     \b
     Examples:
-      adaloss train --config configs/digits.yaml
-      adaloss train --config configs/digits.yaml --set precision.dtype=float16 --set loss_scaling.method=fixed
-      adaloss train --config configs/resnet.yaml --set data.root=~/data/cifar-10-batches-py --device cuda
+      adaloss train --config digits
+      adaloss train --config digits --set precision.dtype=float16 --set loss_scaling.method=fixed
+      adaloss train --config resnet --set data.root=~/data/cifar-10-batches-py --device cuda
+      adaloss train --config mlp --quiet --json > summary.json
       adaloss train --resume runs/digits-cnn-dynamic-20261121-120000
 
     SIGINT (Ctrl-C) or SIGTERM stops after the current step with a checkpoint (status `interrupted`, exit code
@@ -50,8 +56,8 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
 
     \b
     Data-parallel (DistributedDataParallel; gloo on CPU, NCCL on GPUs; rank 0 writes the run directory):
-      adaloss train --config configs/resnet.yaml --nproc-per-node 4
-      torchrun --nproc-per-node 4 -m adaloss_cli train --config configs/resnet.yaml
+      adaloss train --config resnet --nproc-per-node 4
+      torchrun --nproc-per-node 4 -m adaloss_cli train --config resnet
       adaloss train --resume runs/cifar10-resnet20-dynamic-20261121-120000   # on as many processes as before
     """
     from adaloss_cli.distributed import PeerFailed, World, launch_command
@@ -90,7 +96,9 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
         return
     if not world.is_main:
         return
-    if quiet:
+    if as_json:
+        click.echo(json.dumps({"kind": "run", "dir": str(result.run_dir), "summary": result.summary}, indent=2))
+    elif quiet:
         click.echo(str(result.run_dir))
     else:
         click.echo(format_summary(result.summary))

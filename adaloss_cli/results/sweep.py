@@ -2,7 +2,7 @@
 
 ::
 
-    base: ../digits.yaml            # the experiment config, relative to this sweep file
+    base: ../digits.yaml            # the experiment config, relative to this sweep file (or a shipped one's name)
     out: runs/sweep-digits          # sweep directory, relative to the current directory (as output.root is)
     set: {training.epochs: 2}       # overrides common to every run (optional)
     grid:                           # cartesian product of these values...
@@ -23,9 +23,9 @@ import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -37,6 +37,8 @@ from adaloss_cli.errors import UserError
 from adaloss_cli.limits import LimitExceeded, check_run_count
 
 SWEEP_KEYS = ("base", "out", "set", "grid", "list")
+#: Keys that make a YAML file a sweep rather than an experiment config (which has none of them).
+_SWEEP_MARKERS = ("base", "grid", "list")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._=,+-]")
 _MAX_NAME = 120
 
@@ -191,8 +193,29 @@ def _origin(key: str, point: dict[str, Any], common: dict[str, Any], where: str)
     return None
 
 
-def load_sweep(path: Path, out: Path | None = None) -> Sweep:
+def is_sweep_file(path: Path) -> bool:
+    """Whether ``path`` holds a sweep (a mapping with ``base``, ``grid`` or ``list``) rather than a config."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and any(key in data for key in _SWEEP_MARKERS)
+
+
+def _base_path(path: Path, base: str) -> Path:
+    """The base config: relative to the sweep file, else a shipped config of that name."""
+    from adaloss_cli.configs import is_name, shipped
+
+    found = (path.parent / Path(base).expanduser()).resolve() if not Path(base).is_absolute() else Path(base)
+    if found.is_file() or not is_name(base):
+        return found
+    return shipped(base) or found
+
+
+def load_sweep(path: Path, out: Path | None = None, overrides: Sequence[str] = ()) -> Sweep:
     """Read and validate a sweep file: its own keys, then the config of every combination.
+
+    ``overrides`` (``key=value``, as ``--set`` gives them) apply to every run, after the file's ``set``.
 
     Raises:
         SweepError: listing every problem, one line each.
@@ -213,6 +236,9 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
         raise SweepError(path, [f"{path}: not valid YAML: {err}".replace("\n", " ")]) from None
     if not isinstance(data, dict):
         raise SweepError(path, [f"{path}: must be a mapping with keys {', '.join(SWEEP_KEYS)}"])
+    if not any(key in data for key in SWEEP_KEYS) and set(data) & {f.name for f in fields(ExperimentConfig)}:
+        raise SweepError(path, [f"{path}: is an experiment config, not a sweep file (which has base: and grid: or "
+                                "list:); train it with `adaloss train --config`, or see `adaloss configs` for sweeps"])
     for key in data:
         if key not in SWEEP_KEYS:
             near = difflib.get_close_matches(str(key), SWEEP_KEYS, n=1)
@@ -226,10 +252,10 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
     elif "\0" in base:
         problems.add("base", "contains a NUL character; give the path of a config file")
     else:
-        base_path = (path.parent / Path(base).expanduser()).resolve() if not Path(base).is_absolute() else Path(base)
+        base_path = _base_path(path, base)
         if not base_path.is_file():
             problems.add("base", f"'{base}' is not a file (looked for {base_path}); paths are relative to the "
-                                 "sweep file")
+                                 "sweep file, names are shipped configs (`adaloss configs`)")
             base_path = None
     out_text = data.get("out")
     if out_text is not None and (not isinstance(out_text, str) or "\0" in out_text):
@@ -240,6 +266,10 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
         raise SweepError(path, problems.lines)
 
     swept = list(dict.fromkeys(k for combo in combos for k in combo))
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key in swept:
+            problems.add("--set", f"{key} is swept by this file; --set cannot override it for every run")
     short = short_keys(swept)
     points, seen = [], {}
     where = "grid" if data.get("grid") is not None else "list"
@@ -252,7 +282,7 @@ def load_sweep(path: Path, out: Path | None = None) -> Sweep:
             continue
         seen[point.name] = label
         try:
-            point.config = load_config(base_path, as_overrides(common) + as_overrides(combo))
+            point.config = load_config(base_path, as_overrides(common) + list(overrides) + as_overrides(combo))
         except ConfigError as err:
             for problem in err.problems:
                 origin = _origin(problem.key, combo, common, label) if problem.file == "--set" else None
