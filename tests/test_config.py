@@ -244,6 +244,18 @@ def test_override_problems_name_set_instead_of_a_line(tmp_path):
     assert "  --set: training.optimzer.lr: unknown key" in text
 
 
+@pytest.mark.parametrize("given, meant", [("fp16", "float16"), ("half", "float16"), ("fp32", "float32"),
+                                          ("float", "float32"), ("bf16", "bfloat16"), ("FP16", "float16")])
+def test_other_names_of_a_dtype_are_refused_with_the_name_to_use(tmp_path, given, meant):
+    path = write(tmp_path, f"precision:\n  dtype: {given}\n")
+    problems = [str(p) for p in problems_of(path, ("device=gpu",))]
+    assert problems == [f"{path}:2: precision.dtype: got '{given}'; must be one of: float32, float16, bfloat16 "
+                        f"(did you mean '{meant}'?)",
+                        "--set: device: got 'gpu'; must be one of: auto, cpu, cuda (did you mean 'cuda'?)"]
+    section = problems_of(write(tmp_path, f"precision: {given}\n"))
+    assert str(section[0]).endswith(f"(did you mean 'precision.dtype: {meant}'?)")
+
+
 def test_override_below_a_value_is_a_problem(tmp_path):
     [problem] = problems_of(write(tmp_path, ""), ("training.epochs.max=3",))
     assert problem.file == "--set" and "training.epochs is a value" in problem.message

@@ -11,7 +11,7 @@ import numbers
 import re
 from typing import Any
 
-from ._messages import close_matches, describe, did_you_mean, number, show
+from ._messages import describe, did_you_mean, meant_choice, number, show
 from ._schema_info import KeyInfo
 
 Issue = tuple[str, str]
@@ -98,7 +98,7 @@ def _check_scalar(kind: type, value: Any, info: KeyInfo) -> tuple[Any, str | Non
         return None, wrong, hint if whole is None or _in_range(info, whole) else ""
     choices = info.constraint("choices")
     if choices and converted not in choices:
-        return None, show(converted), did_you_mean(close_matches(converted, choices))
+        return None, show(converted), did_you_mean(meant_choice(converted, choices))
     if kind in (int, float) and not _in_range(info, converted):
         return None, show(converted), ""
     return converted, None, ""

@@ -48,6 +48,26 @@ def did_you_mean(options: Sequence[Any]) -> str:
     return f" (did you mean {listed}?)"
 
 
+#: Other names people give an allowed value (other frameworks' spellings). A synonym is never accepted: it only
+#: becomes the did-you-mean, so every config spells each value one way.
+SYNONYMS = {
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "single": "float32",
+    "bf16": "bfloat16", "brain_float16": "bfloat16",
+    "static": "fixed", "constant": "fixed", "off": "none", "disabled": "none",
+    "gpu": "cuda", "host": "cpu",
+}
+
+
+def meant_choice(value: object, choices: Iterable[str]) -> list[str]:
+    """The allowed value a wrong one was probably meant as: its synonym if allowed, else the closest choices."""
+    choices = list(choices)
+    synonym = SYNONYMS.get(str(value).strip().lower())
+    if synonym in choices:
+        return [synonym]
+    return close_matches(str(value), choices)
+
+
 def close_matches(word: str, options: Iterable[str], n: int = 1) -> list[str]:
     """The options closest to ``word`` (case-insensitive), best first."""
     options = list(options)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ._checks import check_value
-from ._messages import describe, did_you_mean, suggest_key
+from ._messages import SYNONYMS, describe, did_you_mean, suggest_key
 from ._rules import check_rules
 from ._schema_info import KeyInfo, join, keys_of
 from .problems import ProblemCollector
@@ -60,9 +60,14 @@ def _report_unknown(key: str, path: str, keys: Mapping[str, KeyInfo], collector:
 def _not_a_mapping(path: str, keys: Mapping[str, KeyInfo], data: Any) -> str:
     if not path:
         return f"got {describe(data)}; the top level must be a mapping of sections and keys: {', '.join(keys)}"
-    # `optimizer: adam` usually means `optimizer: {name: adam}`: suggest the key whose choices hold the value.
-    meant = [f"{path}.{name}: {data}" for name, info in keys.items()
-             if isinstance(data, str) and data in (info.constraint("choices") or ()) and info.section is None]
+    # `optimizer: adam` usually means `optimizer: {name: adam}`: suggest the key whose choices hold the value (or
+    # its synonym: `precision: fp16` -> `precision.dtype: float16`).
+    meant = []
+    for name, info in keys.items():
+        choices = info.constraint("choices") or ()
+        if isinstance(data, str) and info.section is None and choices:
+            value = data if data in choices else SYNONYMS.get(data.strip().lower())
+            meant += [f"{path}.{name}: {value}"] if value in choices else []
     return f"got {describe(data)}; must be a mapping with keys: {', '.join(keys)}{did_you_mean(meant)}"
 
 
