@@ -1,13 +1,16 @@
 """The ``adaloss`` command: a thin click group whose subcommands are imported only when used.
 
-Exit codes: 0 success, 1 runtime failure, 2 user error (bad config, bad option, missing data). Tracebacks are shown
-only with ``--debug``.
+Exit codes: 0 success, 1 runtime failure, 2 user error (bad config, bad option, missing data), 128 + N when stopped
+by signal N (141 when the reader of stdout went away). Tracebacks are shown only with ``--debug``.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
+import os
 import signal
+import sys
 
 import click
 
@@ -40,6 +43,14 @@ class ReportedError(click.ClickException):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not hit the closed pipe again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # not a real file (tests capture it): nothing to flush
+        pass
 
 
 class LazyGroup(click.Group):
@@ -76,6 +87,9 @@ class LazyGroup(click.Group):
             raise ReportedError(f"stopped by {signal.Signals(signum).name}", 128 + signum) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except BrokenPipeError:  # the reader went away (`adaloss env | head -1`): stop quietly, as Unix tools do
+            _discard_stdout()
+            raise click.exceptions.Exit(128 + signal.SIGPIPE) from None
         except Exception as err:  # a bug, not a user mistake: say so, keep the traceback behind --debug
             if (ctx.obj or {}).get("debug"):
                 raise

@@ -295,6 +295,17 @@ def test_env_json_and_the_install_command_of_a_missing_backend(invoke, monkeypat
            "--no-build-isolation 'adaloss[chainer]' (in a checkout: make install-chainer)" in lines
 
 
+@pytest.mark.parametrize("command", [["env"], ["configs"], ["validate", "digits"]])
+def test_a_closed_stdout_stops_the_command_quietly_as_a_unix_tool(command):
+    from adaloss_cli.self_command import adaloss_command
+
+    # `adaloss env | head -1`: the reader goes away; here it is gone before the first line is written.
+    proc = subprocess.Popen([*adaloss_command(), *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.communicate(timeout=60)[1].decode()
+    assert (proc.returncode, stderr) == (128 + 13, "")  # 128 + SIGPIPE, no "internal error BrokenPipeError"
+
+
 def test_validate_good_file_exits_0(invoke, tiny_config):
     result = invoke("validate", tiny_config)
     assert result.exit_code == 0
