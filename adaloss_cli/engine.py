@@ -19,16 +19,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tqdm import tqdm
-
 from adaloss_cli.backends import get_backend
-from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, StepOutcome
+from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, LayerRecord, StepOutcome
 from adaloss_cli.config.schema import MAX_STEPS, ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
 from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss_cli.errors import Diverged, Interrupted, UserError
 from adaloss_cli.model_size import check_model_size
+from adaloss_cli.progress import progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
 
@@ -106,6 +105,20 @@ class Progress:
         worst = max(per_layer, key=per_layer.get)
         return {"underflow_mean": sum(per_layer.values()) / len(per_layer), "underflow_worst": per_layer[worst],
                 "underflow_worst_layer": worst, "underflow_output": output}
+
+
+def _power_of_two(x: float) -> str:
+    mantissa, exponent = math.frexp(x)
+    return f"2^{exponent - 1}" if mantissa == 0.5 else f"{x:g}"
+
+
+def scale_range(layers: list[LayerRecord]) -> str | None:
+    """``2^3..2^14``: the smallest and largest accumulated scale of a recorded step's layer records (None: none)."""
+    values = [r.accumulated_scale for r in layers if math.isfinite(r.accumulated_scale) and r.accumulated_scale > 0]
+    if not values:
+        return None
+    low, high = _power_of_two(min(values)), _power_of_two(max(values))
+    return low if low == high else f"{low}..{high}"
 
 
 def prepare(config: ExperimentConfig, world: World = SINGLE) -> tuple[Dataset, Backend]:
@@ -213,8 +226,10 @@ class Trainer:
         stream = BatchStream(dataset, cfg.training.batch_size, cfg.run.seed, augment=dataset.augment)
         plan = plan_steps(cfg, stream.batches_per_epoch, len(dataset.y_train))
         accum, faults = cfg.training.grad_accum_steps, _fault_steps(world.rank)
-        bar = tqdm(total=plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
-                   disable=not self.show_progress, dynamic_ncols=True, leave=True)
+        bar = progress_bar(plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
+                           enabled=self.show_progress, leave=True)
+        # Adaptive scaling has no one scale to show: the bar shows the range of the last recorded layer scales.
+        per_layer, scales = cfg.loss_scaling.method == "adaptive", None
         with _StopSignals() as stop, StopVote(world) as vote:
             for step in range(state.step, plan.total_steps):
                 epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
@@ -231,9 +246,10 @@ class Trainer:
                 if not math.isfinite(outcome.loss) and world.is_main:
                     bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
                               else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
+                scales = scale_range(outcome.layers) or scales
+                shown = {"scales": scales or "-"} if per_layer else {"scale": f"{outcome.scale:g}"}
+                bar.set_postfix(loss=f"{outcome.loss:.4f}", **shown, skipped=state.skipped, refresh=False)
                 bar.update(1)
-                bar.set_postfix(loss=f"{outcome.loss:.4f}", scale=f"{outcome.scale:g}", skipped=state.skipped,
-                                refresh=False)
                 last = step == plan.total_steps - 1
                 if step_in_epoch == plan.steps_per_epoch - 1 or last:
                     self._end_epoch(epoch, step, lr, last, started)

@@ -192,3 +192,24 @@ def test_bfloat16_forward_really_computes_in_bfloat16(digits, batches):
     bf16 = backend_for(make_config("bfloat16"), digits)
     loss32, loss16 = (b.evaluate([batches[0]]).loss for b in (fp32, bf16))
     assert loss16 != loss32 and loss16 == pytest.approx(loss32, rel=5e-2)
+
+
+def test_plain_progress_prints_a_line_every_tenth_and_the_scale_range_reads_in_powers_of_two(capsys):
+    from adaloss_cli.backends.base import LayerRecord
+    from adaloss_cli.engine import scale_range
+    from adaloss_cli.progress import PlainProgress
+
+    bar = PlainProgress(95, desc="run", unit="step", initial=3)
+    bar.set_postfix(loss="2.3000", skipped=0)
+    for _ in range(92):
+        bar.update(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" steps")[0] for line in lines] == [f"run: {n}/95" for n in (*range(10, 91, 10), 95)]
+    assert lines[0].startswith("run: 10/95 steps (11%), ") and lines[0].endswith(", loss=2.3000, skipped=0")
+    assert "left" in lines[0] and "left" not in lines[-1]
+
+    records = [LayerRecord(name, 1.0, 1.0, scale, 0.0) for name, scale in
+               [("output", 8.0), ("fc1", 16384.0), ("fc2", 1024.0), ("nan", math.nan)]]
+    assert scale_range(records) == "2^3..2^14"
+    assert scale_range(records[:1]) == "2^3" and scale_range([]) is None
+    assert scale_range([LayerRecord("odd", 1.0, 1.0, 3.0, 0.0)]) == "3"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,17 @@ def test_train_json_prints_the_summary_alone_on_stdout(invoke, tiny_config, tmp_
     printed = json.loads(result.stdout)
     assert printed == {"kind": "run", "dir": str(tmp_path / "run"),
                        "summary": json.loads((tmp_path / "run" / "summary.json").read_text())}
+
+
+def test_progress_on_a_redirected_stderr_is_plain_lines_showing_the_layer_scales(invoke, tmp_path):
+    config = write_config(tmp_path / "c.yaml", precision={"dtype": "float16"}, loss_scaling={"method": "adaptive"},
+                          output={"progress": True})
+    result = invoke("train", "--config", config, "--out", tmp_path / "run", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr  # no bar drawn into a log
+    progress = [line for line in result.stderr.splitlines() if line.startswith("t: ")]
+    assert [line.split(" steps")[0] for line in progress] == [f"t: {n}/{ITERATIONS}" for n in range(1, 7)]
+    assert all(re.search(r", scales=2\^-?\d+(\.\.2\^-?\d+)?, skipped=0$", line) for line in progress), progress
 
 
 def test_existing_out_is_refused_without_overwrite_and_replaced_with_it(invoke, tiny_config, tmp_path):

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import yaml
-from tqdm import tqdm
 
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.errors import AdalossError, Interrupted
+from adaloss_cli.progress import ProgressBar, progress_bar
 from adaloss_cli.results.rundata import FINISHED, RunData, run_status
 from adaloss_cli.self_command import adaloss_command
 from adaloss_cli.signals import signal_of
@@ -84,8 +84,7 @@ class ChildRunner:
 
     def run(self, children: Sequence[Child]) -> list[Child]:
         """Run the children; return those that failed. Re-raises an interruption after the others ended."""
-        bar = tqdm(total=len(children), desc=self.desc, unit="run", disable=not self.progress, position=0,
-                   leave=True, dynamic_ncols=True)
+        bar = progress_bar(len(children), desc=self.desc, unit="run", enabled=self.progress, position=0, leave=True)
         try:
             if self.jobs == 1:
                 return self._in_process(children, bar)
@@ -93,7 +92,7 @@ class ChildRunner:
         finally:
             bar.close()
 
-    def _finish(self, child: Child, error: str | None, bar: tqdm) -> str:
+    def _finish(self, child: Child, error: str | None, bar: ProgressBar) -> str:
         status = run_status(child.run_dir)
         if status == "diverged":  # a result, not a failure; keep why it diverged
             error = RunData(child.run_dir).error
@@ -106,7 +105,7 @@ class ChildRunner:
             bar.write(_describe(child), file=sys.stderr)
         return status
 
-    def _in_process(self, children: Sequence[Child], bar: tqdm) -> list[Child]:
+    def _in_process(self, children: Sequence[Child], bar: ProgressBar) -> list[Child]:
         from adaloss_cli.experiment import run_experiment
 
         failed = []
@@ -133,7 +132,7 @@ class ChildRunner:
                     break
         return failed
 
-    def _subprocesses(self, children: Sequence[Child], bar: tqdm) -> list[Child]:
+    def _subprocesses(self, children: Sequence[Child], bar: ProgressBar) -> list[Child]:
         threads = max(1, cpu_cores() // self.jobs)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         pending, running, failed = list(children), [], []
