@@ -1,12 +1,13 @@
 # Quick start:  make demo   (set up .venv and compare every loss-scaling method on the embedded digits data)
 #               make test   (set up .venv with the test extras and run the whole suite)
+#               make check-wheel (build the wheel, install it into a fresh venv, run the README's promises)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch is pinned first: an unpinned torch would pull the newest CUDA build (gigabytes); see DESIGN.md section 5.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-chainer install-test bench clean
+.PHONY: demo test check-wheel install install-chainer install-test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,10 @@ demo: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# A few minutes: the wheel as a user installs it, checked from the repository root and from another folder.
+check-wheel:
+	PYTHON=$(PYTHON) bash .ci/check_wheel.sh
 
 bench: install
 	$(BIN)/python -m benchmarks --backend all
