@@ -47,8 +47,8 @@ echo "== building the wheel and a fresh venv in $WORK"
 # Build from a copy of the working tree (tracked and untracked, not ignored): a stale build/ folder in the tree
 # would put deleted modules into the wheel.
 mkdir "$WORK/src"
-git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 tar -cf - --) \
-  | tar -xf - -C "$WORK/src"
+(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
+  | tar --null --files-from=- --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$WORK/src"
 "$PYTHON" -m venv "$WORK/venv"
 PATH="$WORK/venv/bin:$PATH"
 export PATH
@@ -57,7 +57,7 @@ echo "$TORCH" >"$WORK/constraints.txt"
 quietly torch pip install "$TORCH"
 quietly install pip install --constraint "$WORK/constraints.txt" "$WORK"/dist/adaloss-*.whl \
   ${EXTRA_PACKAGES[@]+"${EXTRA_PACKAGES[@]}"}
-python -c "import adaloss_cli, torch; print('installed adaloss', adaloss_cli.__version__, 'with torch', torch.__version__)"
+echo "installed $(pip list 2>/dev/null | grep -E '^(adaloss|torch) ' | tr -s ' ' | paste -sd ',' -)"
 
 # -- Checks -------------------------------------------------------------------------------------------------------
 cd "$ROOT"
