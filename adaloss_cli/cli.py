@@ -21,7 +21,7 @@ from adaloss_cli.signals import signal_of, sigterm_raises
 # command name -> (module, function, one-line help shown in `adaloss --help`)
 COMMANDS = {
     "train": ("adaloss_cli.commands.train", "train", "Train one experiment from a YAML config."),
-    "validate": ("adaloss_cli.commands.validate", "validate", "Check config files without training."),
+    "validate": ("adaloss_cli.commands.validate", "validate", "Check config and sweep files without training."),
     "compare": ("adaloss_cli.commands.compare", "compare",
                 "Run one config once per loss-scaling method and seed; table and plots side by side."),
     "batch": ("adaloss_cli.commands.batch", "batch",
