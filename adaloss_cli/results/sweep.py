@@ -194,10 +194,11 @@ def _origin(key: str, point: dict[str, Any], common: dict[str, Any], where: str)
 
 
 def is_sweep_file(path: Path) -> bool:
-    """Whether ``path`` holds a sweep (a mapping with ``base``, ``grid`` or ``list``) rather than a config."""
+    """Whether ``path`` holds a sweep (a mapping with ``base``, ``grid`` or ``list``) rather than a config (False
+    for a file that cannot be read within the limits: the config reader then says why)."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = safe_load_bounded(read_config_text(path))
+    except (OSError, UnicodeDecodeError, LimitExceeded, yaml.YAMLError):
         return False
     return isinstance(data, dict) and any(key in data for key in _SWEEP_MARKERS)
 
