@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, branch_common_scale, layer_factor,
-                                       power_of_two_floor, unbound_factor)
+from adaloss_cli.core.adaptive import (METHODS, PAPER_METHODS, AdaptiveOptions, bound_factor, branch_common_scale,
+                                       layer_factor, power_of_two_floor, unbound_factor)
 from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, conv_fan, default_range,
                                              element_wise_extremes, linear_fan, norm_and_abs_max, ops_for,
                                              underflow_fraction, underflow_k)
@@ -114,7 +114,7 @@ def test_options_validate_and_follow_the_config_schema():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_approx_range_golden(backend, golden_layer):
     gy, w = (to(backend, a) for a in golden_layer)
-    opts = AdaptiveOptions()
+    opts = AdaptiveOptions.paper()
     s = unbound_factor(gy, w, linear_fan(64), opts)
     assert check_like(s, gy) == pytest.approx(1.748732, rel=2e-5)
     # A = 512: caps 1024/512 = 2 and 16 leave 1.75, floored to 1 (A stays 512).
@@ -127,7 +127,7 @@ def test_approx_range_golden(backend, golden_layer):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_element_wise_golden(backend):
     gy, w = to(backend, np.array([[1e-5]], np.float16)), to(backend, np.array([[1e-4]], np.float16))
-    opts = AdaptiveOptions(method="element_wise_range")
+    opts = AdaptiveOptions.paper(method="element_wise_range")
     assert check_like(unbound_factor(gy, w, 1, opts), gy) == pytest.approx(59.9, abs=0.05)
     assert check_like(layer_factor(gy, w, 1, 1.0, opts), gy) == 32.0
 
@@ -177,7 +177,7 @@ def sprinkle_zeros(rng, a, share=0.3):
 @pytest.mark.parametrize("seed", range(4))
 def test_element_wise_matches_brute_force_linear_and_conv(backend, seed):
     rng = np.random.default_rng(seed)
-    opts = AdaptiveOptions(method="element_wise_range")
+    opts = AdaptiveOptions.paper(method="element_wise_range")
     u_min, u_max = opts.range_for("float16")
     # Linear: gy (N, out) and (N, T, out); W (out, in). Conv: gy (N, C_out, H, W); W (C_out, C_in, kh, kw).
     w_lin = sprinkle_zeros(rng, rng.normal(0, 0.05, (6, 5))).astype(np.float16)
@@ -238,7 +238,7 @@ def test_abs_range_formula(backend, golden_layer):
     o_max = g.max() * ww.max()
     fan = 64
     expected = min(max((6e-8 / fan) / o_min, 1.0), (65504 / fan) / o_max)
-    got = unbound_factor(to(backend, gy), to(backend, w), fan, AdaptiveOptions(method="abs_range"))
+    got = unbound_factor(to(backend, gy), to(backend, w), fan, AdaptiveOptions.paper(method="abs_range"))
     assert float(value(got)) == pytest.approx(expected, rel=1e-5)
 
 
@@ -246,15 +246,16 @@ def test_abs_range_formula(backend, golden_layer):
 def test_bounds_only_for_approx_range_and_switches(backend, golden_layer):
     gy, w = (to(backend, a) for a in golden_layer)
     # fixed: no caps (100 stays above scale_upper_bound 16), power of two floors it to 64.
-    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions(method="fixed", fixed_loss_scale=100.0)))) == 64
-    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions(method="fixed", fixed_loss_scale=100.0,
+    fixed = AdaptiveOptions.paper(method="fixed", fixed_loss_scale=100.0)
+    assert float(value(layer_factor(gy, w, 64, 1.0, fixed))) == 64
+    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions.paper(method="fixed", fixed_loss_scale=100.0,
                                                                      power_of_two=False)))) == 100
     # approx_range with use_bound off keeps 1.75 -> 1 even at A = 4096; with power_of_two off it stays 1.7487.
-    assert float(value(layer_factor(gy, w, 64, 4096.0, AdaptiveOptions(use_bound=False)))) == 1.0
-    raw = float(value(layer_factor(gy, w, 64, 512.0, AdaptiveOptions(power_of_two=False))))
+    assert float(value(layer_factor(gy, w, 64, 4096.0, AdaptiveOptions.paper(use_bound=False)))) == 1.0
+    raw = float(value(layer_factor(gy, w, 64, 512.0, AdaptiveOptions.paper(power_of_two=False))))
     assert raw == pytest.approx(1.748732, rel=2e-5)
     # a user u_min far above the data: the factor hits scale_upper_bound.
-    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions(u_min=1e-3)))) == 16.0
+    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions.paper(u_min=1e-3)))) == 16.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -264,7 +265,7 @@ def test_non_finite_gradient_falls_back_to_one(backend, method, bad, golden_laye
     gy, w = golden_layer
     gy = gy.copy()
     gy[3, 7] = bad
-    opts = AdaptiveOptions(method=method)
+    opts = AdaptiveOptions.paper(method=method)
     s = unbound_factor(to(backend, gy), to(backend, w), 64, opts)
     assert float(value(s)) == 1.0
     assert float(value(bound_factor(s, 1.0, opts))) == 1.0
@@ -274,7 +275,7 @@ def test_non_finite_gradient_falls_back_to_one(backend, method, bad, golden_laye
 @pytest.mark.parametrize("method", ["approx_range", "abs_range", "element_wise_range"])
 def test_zero_or_empty_statistics_give_one(backend, method, golden_layer):
     gy, w = golden_layer
-    opts = AdaptiveOptions(method=method)
+    opts = AdaptiveOptions.paper(method=method)
     for g, ww in ((np.zeros_like(gy), w), (gy, np.zeros_like(w)), (gy[:0], w)):
         assert float(value(unbound_factor(to(backend, g), to(backend, ww), 64, opts))) == 1.0
 
@@ -282,7 +283,7 @@ def test_zero_or_empty_statistics_give_one(backend, method, golden_layer):
 @pytest.mark.parametrize("method", METHODS)
 def test_numpy_and_torch_agree(method):
     rng = np.random.default_rng(7)
-    opts = AdaptiveOptions(method=method)
+    opts = AdaptiveOptions.paper(method=method)
     for scale in (1e-7, 1e-4, 1e-1, 10.0):
         gy = sprinkle_zeros(rng, rng.normal(0, scale, (16, 24))).astype(np.float16)
         w = rng.normal(0, 0.1, (24, 8)).astype(np.float16)
@@ -354,25 +355,25 @@ def test_torch_path_never_reads_back_to_the_host(monkeypatch, golden_layer):
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
                      "__array__"):
             m.setattr(torch.Tensor, name, forbidden)
-        results = [unbound_factor(bad, w, 64, AdaptiveOptions())]
+        results = [unbound_factor(bad, w, 64, AdaptiveOptions.paper())]
         for method in METHODS:
-            opts = AdaptiveOptions(method=method)
+            opts = AdaptiveOptions.paper(method=method)
             results.append(layer_factor(gy, w, 64, a, opts))
             results.append(layer_factor(conv_gy, conv_w, conv_fan(4, 3), 2.0, opts))
         results.append(power_of_two_floor(results[0]))
         results.append(branch_common_scale([gy, conv_gy], [a, torch.tensor(1.0)], 65504.0)[0])
         results.append(underflow_fraction(gy, gy.float()))
     assert all(isinstance(r, torch.Tensor) and r.shape == () for r in results)
-    assert float(results[0]) == 1.0 and float(results[1]) == 0.25
+    assert float(results[0]) == 1.0 and float(results[1 + 2 * METHODS.index("approx_range")]) == 0.25
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_golden_stays_on_device(golden_layer):
     gy, w = (torch.from_numpy(a).cuda() for a in golden_layer)
-    s = layer_factor(gy, w, 64, torch.tensor(4096.0, device="cuda"), AdaptiveOptions())
+    s = layer_factor(gy, w, 64, torch.tensor(4096.0, device="cuda"), AdaptiveOptions.paper())
     assert s.device == gy.device and float(s) == 0.25
-    assert float(unbound_factor(gy, w, 64, AdaptiveOptions())) == pytest.approx(1.748732, rel=2e-5)
+    assert float(unbound_factor(gy, w, 64, AdaptiveOptions.paper())) == pytest.approx(1.748732, rel=2e-5)
     powers = torch.ldexp(torch.ones(254, device="cuda"), torch.arange(-126, 128, device="cuda"))
     assert torch.equal(power_of_two_floor(powers * 1.5)[:-1], powers[:-1])
 
@@ -384,6 +385,6 @@ def test_cupy_golden(golden_layer):
         gy, w = (cupy.asarray(a) for a in golden_layer)
     except Exception as exc:  # cupy installed without a usable GPU
         pytest.skip(f"cupy cannot allocate: {exc}")
-    s = unbound_factor(gy, w, 64, AdaptiveOptions())
+    s = unbound_factor(gy, w, 64, AdaptiveOptions.paper())
     assert isinstance(s, cupy.ndarray) and float(s) == pytest.approx(1.748732, rel=2e-5)
-    assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveOptions())) == 0.25
+    assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveOptions.paper())) == 0.25

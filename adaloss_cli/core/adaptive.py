@@ -8,6 +8,13 @@ as a 0-d float32 array on gy's device; gx = (s * gy) . W then travels with scale
 back to the host, so one call per layer per step costs a handful of reductions and no synchronisation. A NaN or Inf
 in gy or W gives s = 1 (the step is skipped elsewhere); nothing here raises on data.
 
+Methods: the paper's four (``approx_range``, ``abs_range``, ``element_wise_range``, ``fixed``) reproduce the
+reference implementation's factors with :meth:`AdaptiveOptions.paper`; adaloss adds ``max_range`` (the default: the
+largest power of two that keeps the layer's input gradient within the range, from an exact bound, see
+``range_bounds.py``) and ``measured_range`` (the paper's rule with the Gaussian estimate of underflow replaced by the
+measured share of |gy| that would underflow). The stateful per-layer steps that use these functions live in
+``scale_steps.py``.
+
 The statistics-based part depends only on gy and W, so a policy that recomputes every ``update_per_n_iteration``
 iterations caches :func:`unbound_factor` and re-applies :func:`bound_factor` with the current A every iteration.
 """
@@ -22,31 +29,54 @@ from typing import Any, Callable, Sequence
 from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes_from,
                              norm_and_abs_max, per_index_extremes, underflow_k)
 from .array_ops import Float32Ops, ops_for
+from .range_bounds import abs_sum_max, measured_lift
 
-__all__ = ["EXACT_WEIGHT_METHODS", "METHODS", "AdaptiveOptions", "WeightStatistics", "bound_factor",
-           "branch_common_scale", "branch_scale_step", "layer_factor", "layer_scale_step", "output_factor",
-           "output_scale_step", "power_of_two_floor", "unbound_factor", "weight_statistics"]
+__all__ = ["EXACT_WEIGHT_METHODS", "MAX_ACCUMULATED_SCALE", "METHODS", "PAPER_METHODS", "AdaptiveOptions",
+           "WeightStatistics", "bound_factor", "branch_common_scale", "layer_factor", "output_factor",
+           "power_of_two_floor", "unbound_factor", "weight_gradient_bound", "weight_statistics"]
 
-METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
+#: The reference implementation's methods, then adaloss's own.
+PAPER_METHODS = ("approx_range", "abs_range", "element_wise_range", "fixed")
+METHODS = ("max_range", "measured_range") + PAPER_METHODS
 _ABS_RANGE_O_MIN_FLOOR = 1e-15
+#: Largest accumulated scale any factor may create: float32 holds 2**127; parameter gradients are divided by these
+#: scales in float32, so a margin below the top keeps every quotient finite.
+MAX_ACCUMULATED_SCALE = 2.0 ** 120
+#: Methods whose caps (scale_upper_bound, accum_upper_bound) apply with use_bound, as approx_range's in the paper.
+_CAPPED_METHODS = frozenset({"approx_range", "measured_range"})
 
 
 @dataclass(frozen=True)
 class AdaptiveOptions:
     """Knobs of the per-layer factor; field meanings and defaults as in DESIGN.md 2.2.
 
-    ``u_min``/``u_max`` left as None take :func:`default_range` of the gradient's dtype.
+    ``u_min``/``u_max`` left as None take :func:`default_range` of the gradient's dtype. ``accum_upper_bound``
+    None leaves the accumulated scale capped by the range alone (every bound already keeps the layer's products
+    below u_max); the paper's 1024 starved deep networks. ``exact_bounds`` gives the weight gradient a factor of
+    its own, bounded exactly from the layer input so that it cannot overflow (:func:`weight_gradient_bound`), and
+    caps ``fixed``'s constant with max_range's exact input-gradient bound (the paper's other methods have a tighter
+    bound of their own); the paper computed the weight gradient from the input gradient's factor and let ``fixed``
+    overflow. :meth:`paper` gives the reference implementation's settings.
     """
-    method: str = "approx_range"
+    method: str = "max_range"
     u_min: float | None = None
     u_max: float | None = None
     n_uf_threshold: float = 1e-3
     scale_upper_bound: float = 16.0
-    accum_upper_bound: float = 1024.0
+    accum_upper_bound: float | None = None
     power_of_two: bool = True
     use_bound: bool = True
     fixed_loss_scale: float = 1.0
     update_per_n_iteration: int = 1
+    exact_bounds: bool = True
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> "AdaptiveOptions":
+        """The reference implementation's defaults (approx_range, accumulated cap 1024, the weight gradient at the
+        input gradient's factor), with ``overrides`` on top: what reproduces the paper's factors."""
+        settings = {"method": "approx_range", "accum_upper_bound": 1024.0, "exact_bounds": False}
+        settings.update(overrides)
+        return cls(**settings)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -60,9 +90,11 @@ class AdaptiveOptions:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if self.u_min is not None and self.u_max is not None and not self.u_min < self.u_max:
             raise ValueError(f"u_min ({self.u_min}) must be below u_max ({self.u_max})")
-        for name in ("scale_upper_bound", "accum_upper_bound", "fixed_loss_scale"):
+        for name in ("scale_upper_bound", "fixed_loss_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.accum_upper_bound is not None and not self.accum_upper_bound > 0:
+            raise ValueError(f"accum_upper_bound must be > 0 or None, got {self.accum_upper_bound!r}")
         if self.update_per_n_iteration < 1:
             raise ValueError(f"update_per_n_iteration must be >= 1, got {self.update_per_n_iteration}")
 
@@ -73,7 +105,7 @@ class AdaptiveOptions:
                    n_uf_threshold=cfg.n_uf_threshold, scale_upper_bound=cfg.scale_upper_bound,
                    accum_upper_bound=cfg.accum_upper_bound, power_of_two=cfg.power_of_two,
                    use_bound=cfg.use_bound, fixed_loss_scale=cfg.fixed_loss_scale,
-                   update_per_n_iteration=cfg.update_per_n_iteration)
+                   update_per_n_iteration=cfg.update_per_n_iteration, exact_bounds=cfg.exact_bounds)
 
     def range_for(self, dtype: Any) -> tuple[float, float]:
         """(u_min, u_max): the user's values, else the defaults of ``dtype``."""
@@ -96,9 +128,11 @@ class WeightStatistics:
     """What a method's factor needs from a layer's weight W, taken where W is at hand (a backend may take them in
     the forward pass, so that its backward keeps a few numbers rather than the low-precision weight).
 
-    ``values``: approx_range (|W|, max |W|); abs_range (min non-zero |W|, max |W|); element_wise_range the
-    per-index extremes of :func:`~.adaptive_stats.per_index_extremes` along ``axes[1]``; fixed nothing. ``size`` is
-    W's element count; ``axes`` the summed dimension (gy axis, W axis) for element_wise_range.
+    ``values``: approx_range and measured_range (|W|, max |W|); abs_range (min non-zero |W|, max |W|);
+    element_wise_range the per-index extremes of :func:`~.adaptive_stats.per_index_extremes` along ``axes[1]``;
+    max_range (the largest sum of |W| meeting in one input-gradient element, see
+    :func:`~.range_bounds.abs_sum_max`); fixed nothing. ``size`` is W's element count; ``axes`` the summed dimension
+    (gy axis, W axis) for element_wise_range, and for max_range (gy axis, W's input-feature axis).
     """
     method: str
     values: tuple
@@ -110,7 +144,8 @@ class WeightStatistics:
 #: (they model exact underflow: the non-zero minimum changes when small weights round to zero), so they must be taken
 #: from the low-precision weight a layer computes with. approx_range only estimates a distribution: the float32
 #: master weight gives the same statistics up to float32 rounding (each element of the low-precision copy differs
-#: by at most 2**-11 relative, in both directions) without widening a low-precision copy again.
+#: by at most 2**-11 relative, in both directions) without widening a low-precision copy again; max_range's bound
+#: leaves a factor of two of margin for that rounding.
 EXACT_WEIGHT_METHODS = frozenset({"abs_range", "element_wise_range"})
 
 
@@ -119,15 +154,19 @@ def weight_statistics(w: Any, opts: AdaptiveOptions, axes: tuple[int, int] | Non
     ``axes`` as for :func:`unbound_factor`."""
     ops = ops_for(w)
     with ops.quiet():
-        return _weight_statistics(ops, w, opts.method, axes)
+        return _weight_statistics(ops, w, opts, axes)
 
 
-def _weight_statistics(ops: Float32Ops, w: Any, method: str, axes: Any) -> WeightStatistics:
+def _weight_statistics(ops: Float32Ops, w: Any, opts: AdaptiveOptions, axes: Any) -> WeightStatistics:
     size = math.prod(w.shape)
-    if size == 0 or method == "fixed":
+    method = opts.method
+    if size == 0 or (method == "fixed" and not opts.exact_bounds):
         return WeightStatistics(method, (), size)
-    if method == "approx_range":
+    if method in ("approx_range", "measured_range"):
         return WeightStatistics(method, norm_and_abs_max(ops, w), size)
+    if method in ("max_range", "fixed"):
+        axes = default_axes(None, w) if axes is None else tuple(axes)
+        return WeightStatistics(method, (abs_sum_max(ops, w, _input_axis(w, axes)),), size, axes)
     if method == "abs_range":
         return WeightStatistics(method, abs_extremes(ops, w), size)
     axes = default_axes(None, w) if axes is None else tuple(axes)
@@ -152,6 +191,28 @@ def _approx_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts
     # gy or W makes both products zero, so s = +inf. _unbound_factor turns all three into 1. (Float32 inputs beyond
     # ~1e19, whose squares overflow, or below ~1e-23, whose squares underflow, leave s = the upper bound: still safe.)
     return sops.minimum(lower, c(u_max / fan) / (g_max * w_max)), None
+
+
+def _measured_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+                    u_min: float, u_max: float) -> tuple[Any, Any]:
+    """approx_range with the Gaussian lower bound replaced by the measured one (:func:`measured_lift`)."""
+    sops = ops.scalars
+    c = sops.const
+    _, w_max = ws.values
+    lower = measured_lift(ops, gy, u_min, opts.n_uf_threshold)
+    upper = c(u_max / fan) / (abs_max_value(ops, gy) * w_max)
+    return sops.minimum(lower, upper), None
+
+
+def _max_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+               u_min: float, u_max: float) -> tuple[Any, Any]:
+    """The largest factor that keeps s * gy and gx = (s * gy) . W below u_max / 2, from the exact bound
+    max|gx| <= max|gy| * sum|W| (range_bounds.py): every gradient as far from underflow as the range allows, with
+    one power of two of margin for rounding. May be below 1 (a gradient that arrives too large is scaled down)."""
+    sops = ops.scalars
+    c = sops.const
+    (w_bound,) = ws.values
+    return c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(w_bound, c(1.0))), None
 
 
 def _abs_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
@@ -182,10 +243,16 @@ def _element_wise_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int
 
 def _fixed(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
            u_min: float, u_max: float) -> tuple[Any, Any]:
-    return ops.scalars.const(opts.fixed_loss_scale), None
+    """The constant factor; with the exact bounds capped by max_range's (so the constant cannot overflow)."""
+    constant = ops.scalars.const(opts.fixed_loss_scale)
+    if not ws.values:
+        return constant, None
+    return ops.scalars.minimum(constant, _max_range(ops, gy, ws, fan, opts, u_min, u_max)[0]), None
 
 
 _UNBOUND: dict[str, Callable[..., tuple[Any, Any]]] = {
+    "max_range": _max_range,
+    "measured_range": _measured_range,
     "approx_range": _approx_range,
     "abs_range": _abs_range,
     "element_wise_range": _element_wise_range,
@@ -210,7 +277,7 @@ def unbound_factor(gy: Any, w: Any, fan: int, opts: AdaptiveOptions,
 
 def _statistics_of(w: Any, opts: AdaptiveOptions, axes: Any) -> WeightStatistics:
     if not isinstance(w, WeightStatistics):
-        return _weight_statistics(ops_for(w), w, opts.method, axes)
+        return _weight_statistics(ops_for(w), w, opts, axes)
     if w.method != opts.method:
         raise ValueError(f"weight statistics were taken for {w.method!r}, not {opts.method!r}")
     return w
@@ -218,33 +285,40 @@ def _statistics_of(w: Any, opts: AdaptiveOptions, axes: Any) -> WeightStatistics
 
 # The private functions below expect the caller to have entered ``ops.quiet()`` (once per public call: entering it
 # costs more than the arithmetic it guards).
-def _unbound_factor(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions) -> Any:
+def _unbound_factor(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+                    headroom: float = 1.0) -> Any:
+    """``headroom`` (0 < h <= 1) shrinks the top of the range to h * u_max: the overflow policy's back-off."""
     sops = ops.scalars
     if fan < 1:
         raise ValueError(f"fan must be >= 1, got {fan}")
     if math.prod(gy.shape) == 0 or ws.size == 0:
         return sops.const(1.0)
     u_min, u_max = opts.range_for(gy.dtype)
-    s, ok = _UNBOUND[opts.method](ops, gy, ws, fan, opts, u_min, u_max)
+    s, ok = _UNBOUND[opts.method](ops, gy, ws, fan, opts, u_min, u_max * headroom)
     usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
     return sops.where(usable, s, sops.const(1.0))
 
 
 def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
-    """Apply the caps (approx_range with use_bound) and the power-of-two floor to an unbound factor.
+    """Apply the caps and the power-of-two floor to an unbound factor.
 
-    accum_scale is the A the layer's gy carries (0-d array or number). With the caps,
-    s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when A is already above the cap.
+    accum_scale is the A the layer's gy carries (0-d array or number). With the caps (approx_range and
+    measured_range with use_bound), s = min(s, accum_upper_bound / A, scale_upper_bound), which may be below 1 when
+    A is already above the cap. Every method keeps A * s <= :data:`MAX_ACCUMULATED_SCALE`.
     """
     ops = ops_for(s)
     with ops.quiet():
-        return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), ops.scalar(accum_scale), opts))
+        a = ops.scalar(accum_scale)
+        return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), a, a, opts))
 
 
-def _bound(sops: Any, s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
-    if opts.method == "approx_range" and opts.use_bound:
-        cap = sops.const(opts.accum_upper_bound) / accum_scale
-        s = sops.minimum(sops.minimum(s, cap), sops.const(opts.scale_upper_bound))
+def _bound(sops: Any, s: Any, relative: Any, absolute: Any, opts: AdaptiveOptions) -> Any:
+    """``relative``: A counted from the output point (what accum_upper_bound caps); ``absolute``: A itself."""
+    if opts.method in _CAPPED_METHODS and opts.use_bound:
+        if opts.accum_upper_bound is not None:
+            s = sops.minimum(s, sops.const(opts.accum_upper_bound) / relative)
+        s = sops.minimum(s, sops.const(opts.scale_upper_bound))
+    s = sops.minimum(s, sops.const(MAX_ACCUMULATED_SCALE) / absolute)
     return _floor_power_of_two(sops, s) if opts.power_of_two else s
 
 
@@ -254,103 +328,53 @@ def layer_factor(gy: Any, w: Any, fan: int, accum_scale: Any, opts: AdaptiveOpti
     return bound_factor(unbound_factor(gy, w, fan, opts, axes), accum_scale, opts)
 
 
-def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
-                     axes: tuple[int, int] | None = None) -> Any:
-    """One scale point's backward bookkeeping against a backend's scale state, the same on every backend.
-
-    ``state`` is a :class:`~.scale_schedule.ScaleSchedule` (its :meth:`~.scale_schedule.ScaleSchedule.scale_arrays`
-    and ``origin_slot``). Reads A from ``out_slot``, recomputes the statistics-based factor on refresh iterations
-    (reuses it otherwise) from gy and ``weight`` (the layer's weight or its :func:`weight_statistics`, used on
-    refresh iterations only), caps the scale the layers created counting from the output point's scale, and writes
-    A * s to ``in_slot``; when the schedule says nothing changed since the last full backward, it only returns the
-    stored s. Returns s (a 0-d device array, or a float32 scalar for arrays in host memory), or None in measure-only
-    mode (where the scale passes through unchanged).
-    """
-    table, unbound_factors, factors = state.scale_arrays()
-    if state.reuse:
-        return factors[index]
-    accum = table[out_slot]
-    if not state.adaptive:
-        table[in_slot] = accum
-        return None
-    opts = state.options
+def weight_gradient_bound(gy: Any, x_bound: Any, headroom: float = 1.0, u_max: float | None = None) -> Any:
+    """The largest factor s_w (before the power-of-two floor) for which the weight gradient dW = (s_w * gy)^T . x
+    and s_w * gy itself stay below h * u_max / 2: (h * u_max / 2) / (max|gy| * max(x_bound, 1)), where ``x_bound``
+    is :func:`~.range_bounds.abs_sum_max` of the layer input over its summed positions, an exact bound on
+    |dW| / max|gy|. 1 when that is not a positive finite number. ``u_max`` defaults to gy's dtype's."""
     ops = ops_for(gy)
     with ops.quiet():
-        if state.refresh:
-            unbound = _unbound_factor(ops, gy, _statistics_of(weight, opts, axes), fan, opts)
-            unbound_factors[index] = unbound
-        else:
-            unbound = unbound_factors[index]
-        factor = _bound(ops.scalars, unbound, accum / table[state.origin_slot], opts)
-        factors[index] = factor
-        table[in_slot] = accum * factor
-    return factor
+        top = default_range(gy.dtype)[1] if u_max is None else u_max
+        return ops.from_scalar(_weight_gradient_bound(ops, gy, ops.scalar(x_bound), top * headroom))
 
 
-def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
-    """A branch point's backward bookkeeping: the multiplier of each incoming gradient (None: sum them as they are)
-    and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale between
-    refreshes: with the factors reused, the incoming scales are the same as then."""
-    table = state.scale_arrays()[0]
-    if len(grads) == 1 or not state.adaptive:
-        if not state.reuse:
-            table[in_slot] = table[slots[0]]
-        return None
-    scales = [table[slot] for slot in slots]
-    if state.reuse:
-        return [cache / a for a in scales]
-    if state.refresh:
-        ops = ops_for(grads[0])
-        with ops.quiet():
-            common, multipliers = _branch_common_scale(ops, grads, scales, state.options.range_for(grads[0].dtype)[1])
-        cache[...] = common
-    else:
-        multipliers = [cache / a for a in scales]
-    table[in_slot] = cache
-    return multipliers
+def _weight_gradient_bound(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float) -> Any:
+    sops = ops.scalars
+    c = sops.const
+    s = c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(x_bound, c(1.0)))
+    return sops.where(sops.positive_finite(s), s, c(1.0))
 
 
-def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
-    """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
-    statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
-    if state.reuse:
-        return cache
-    table = state.scale_arrays()[0]
-    if not state.adaptive:
-        table[in_slot] = table[out_slot]
-        return None
-    if state.refresh:
-        ops = ops_for(g)
-        with ops.quiet():
-            cache[...] = _output_factor(ops, g, target_dtype, state.options)
-    table[in_slot] = table[out_slot] * cache
-    return cache
-
-
-def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
+def output_factor(g: Any, target_dtype: Any, opts: AdaptiveOptions, headroom: float = 1.0) -> Any:
     """The factor for the loss gradient at the model output, before it is cast from float32 to ``target_dtype``.
 
-    The cast is element-wise, so the exact rule is cheap: the smallest factor that lifts every non-zero |g| above
-    u_min, capped so that max|g| * s stays below u_max / accum_upper_bound. That cap leaves the layers below the
-    headroom they may use (their accumulated cap counts from this scale), so nothing downstream needs to scale
-    down. Power of two when ``power_of_two``; 1 for an all-zero or non-finite g.
+    The cast is element-wise, so the exact rule is cheap: the factor that brings max|g| to h * u_max / 2 (one power
+    of two of margin), divided by ``accum_upper_bound`` when that is set (the layers below may then add that much,
+    as in the paper). Power of two when ``power_of_two``; 1 for an all-zero or non-finite g. Starting every backward
+    at the top of the range is what GradScaler-style dynamic scaling reaches only after growing into it.
     """
     ops = ops_for(g)
     with ops.quiet():
-        return ops.from_scalar(_output_factor(ops, g, target_dtype, opts))
+        return ops.from_scalar(_output_factor(ops, g, target_dtype, opts, headroom))
 
 
-def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: AdaptiveOptions) -> Any:
+def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: AdaptiveOptions, headroom: float) -> Any:
     sops = ops.scalars
     c = sops.const
     if math.prod(g.shape) == 0:
         return c(1.0)
-    u_min, u_max = opts.range_for(target_dtype)
-    lo, hi = abs_extremes(ops, g)
-    lift = sops.maximum(c(u_min) / lo, c(1.0))
-    s = sops.minimum(lift, c(u_max / opts.accum_upper_bound) / hi)
+    target = opts.range_for(target_dtype)[1] * headroom / 2.0
+    if opts.accum_upper_bound is not None:
+        target /= opts.accum_upper_bound
+    s = c(target) / abs_max_value(ops, g)
     s = sops.where(sops.positive_finite(s), s, c(1.0))
     return _floor_power_of_two(sops, s) if opts.power_of_two else s
+
+
+def _input_axis(w: Any, axes: tuple[int, int]) -> int:
+    """W's input-feature axis (the one a gx element keeps): the other axis of a matrix, 1 for a convolution."""
+    return 1 - axes[1] % 2 if w.ndim == 2 else 1
 
 
 def power_of_two_floor(s: Any) -> Any:

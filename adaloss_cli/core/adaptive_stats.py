@@ -217,8 +217,14 @@ def element_wise_extremes_from(ops: Float32Ops, gy: Any, axis: int, w_extremes: 
     return ops.array(lo), ops.array(hi)
 
 
-def underflow_fraction(low_precision_grad: Any, reference_grad: Any) -> Any:
-    """Share of all elements that are zero in the low-precision result but non-zero in the fp32 reference."""
+def underflow_fraction(low_precision_grad: Any, reference_grad: Any, scale: Any = None, tiny: float | None = None) -> Any:
+    """Share of all elements that are zero in the low-precision result but non-zero in the fp32 reference.
+
+    With ``scale`` and ``tiny`` (the low-precision dtype's smallest magnitude), only elements whose reference value
+    times the gradient's scale falls below ``tiny`` count: values lost to underflow, not values a low-precision
+    forward pass zeroed differently (a ReLU or max-pool decision that differs from float32's), which no loss scale
+    can change. ``scale`` may be a 0-d device array (no host read).
+    """
     ops = Float32Ops(low_precision_grad, reference_grad)
     xp = ops.xp
     if tuple(low_precision_grad.shape) != tuple(reference_grad.shape):
@@ -226,4 +232,9 @@ def underflow_fraction(low_precision_grad: Any, reference_grad: Any) -> Any:
     if math.prod(low_precision_grad.shape) == 0:
         return ops.array(ops.const(0.0))
     lost = xp.logical_and(low_precision_grad == 0, reference_grad != 0)
+    if scale is not None:
+        if isinstance(scale, (int, float, np.generic, np.ndarray)):
+            scale = ops.const(float(scale))
+        small = xp.abs(ops.f32(reference_grad)) * scale < ops.const(float(tiny))
+        lost = xp.logical_and(lost, small)
     return ops.array(xp.mean(xp.astype(lost, xp.float32)))

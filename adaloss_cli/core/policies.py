@@ -141,24 +141,62 @@ class FixedScaling(ScalePolicy):
 
 
 class AdaptiveGlobal(ScalePolicy):
-    """The global part of adaptive scaling: the constant scale at the loss (`adaptive.init_scale`).
+    """The global part of adaptive scaling: the loss multiplier (``adaptive.init_scale``) and the headroom.
 
-    The per-layer factors that multiply it along the network are kept by the adaptive code; an overflow skips the
-    step.
+    Per-layer factors are chosen where the gradients are (see ``core/scale_steps.py``); they aim at a share h of the
+    top of the range (the *headroom*, 1 at first). Their bounds keep every layer's input and weight gradient in
+    range, so an overflow can only come from elsewhere (a normalisation layer's backward, an attention softmax):
+    then the step is skipped (or the batch retried), h is multiplied by ``backoff_factor`` so that the next attempt
+    differs, and after ``growth_interval`` clean steps in a row h grows back by 1 / backoff_factor, up to 1 -- as
+    GradScaler does with its one scale. Training can therefore never stall on the same overflow.
     """
 
     method = "adaptive"
+    #: The headroom never backs off below this (2**-40 of u_max is below fp16's smallest normal number).
+    MIN_HEADROOM = 2.0 ** -40
 
-    def __init__(self, init_scale: float = 1.0) -> None:
+    def __init__(self, init_scale: float = 1.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 on_overflow: str = "skip", max_retries: int = 3) -> None:
         super().__init__()
+        if not 0.0 < backoff_factor <= 1.0 or growth_interval < 1 or on_overflow not in ("skip", "retry"):
+            raise UserError(f"Invalid adaptive overflow settings: backoff_factor {backoff_factor!r} must be in (0, 1],"
+                            f" growth_interval {growth_interval!r} >= 1, on_overflow {on_overflow!r} skip or retry")
         self._scale = float(init_scale)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.on_overflow = on_overflow
+        self.max_retries = int(max_retries)
+        self._headroom = 1.0
+        self._growth_tracker = 0
 
     @property
     def scale(self) -> float:
         return self._scale
 
+    @property
+    def headroom(self) -> float:
+        """The share of u_max the per-layer factors aim at (1 unless overflows backed it off)."""
+        return self._headroom
+
     def _decide(self, found_overflow: bool, attempt: int) -> StepAction:
-        return StepAction.SKIP if found_overflow else StepAction.STEP
+        if found_overflow:
+            self._growth_tracker = 0
+            self._headroom = max(self._headroom * self.backoff_factor, self.MIN_HEADROOM)
+            if self.on_overflow == "retry" and attempt < self.max_retries:
+                return StepAction.RETRY
+            return StepAction.SKIP
+        self._growth_tracker += 1
+        if self._growth_tracker >= self.growth_interval:
+            self._growth_tracker = 0
+            self._headroom = min(self._headroom / self.backoff_factor, 1.0)
+        return StepAction.STEP
+
+    def _state(self) -> dict[str, Any]:
+        return {"headroom": self._headroom, "growth_tracker": self._growth_tracker}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self._headroom = float(state.get("headroom", 1.0))
+        self._growth_tracker = int(state.get("growth_tracker", 0))
 
 
 class DynamicScaling(ScalePolicy):
@@ -313,7 +351,9 @@ _BUILDERS: dict[str, Callable[[LossScalingConfig], ScalePolicy]] = {
     "none": lambda cfg: NoScaling(),
     "fixed": lambda cfg: FixedScaling(cfg.fixed.scale, cfg.fixed.skip_on_overflow),
     "dynamic": _dynamic_from_config,
-    "adaptive": lambda cfg: AdaptiveGlobal(cfg.adaptive.init_scale),
+    "adaptive": lambda cfg: AdaptiveGlobal(cfg.adaptive.init_scale, cfg.adaptive.backoff_factor,
+                                           cfg.adaptive.growth_interval, cfg.adaptive.on_overflow,
+                                           cfg.adaptive.max_retries),
 }
 assert tuple(_BUILDERS) == SCALING_METHODS, "one policy per loss_scaling.method"
 

@@ -5,7 +5,8 @@ The per-layer factors depend on two things: the statistics-based (unbound) facto
 those same cached factors and the loss scale at the origin. Between refreshes, with the loss scale unchanged, every
 factor and every accumulated scale is therefore exactly what the last full backward computed: a scale point only
 has to multiply by its stored factor (:attr:`ScaleSchedule.reuse`). Anything that could change them (a new loss
-scale, restored state) marks the tables stale, and the next backward recomputes the bounds.
+scale, restored state) marks the tables stale, and the next backward recomputes the bounds; a new headroom (the
+overflow policy backed off or grew back) makes it recompute the statistics too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ class ScaleSchedule:
     """Mixin for a backend's scale state: the iteration counter, recording flags and the reuse decision.
 
     A subclass calls :meth:`init_schedule` in its ``__init__`` and keeps its arrays itself: ``table`` (one
-    accumulated scale per gradient edge), ``unbound`` and ``factor`` (one per scale point).
+    accumulated scale per gradient edge); per scale point ``unbound`` and ``factor`` (the input gradient's factor
+    before and after bounds) and ``weight_unbound``, ``weight_factor`` and ``weight_scale`` (the weight gradient's
+    bound, factor and scale).
     """
 
     options: Any  # AdaptiveOptions, or None for measure-only
@@ -42,6 +45,9 @@ class ScaleSchedule:
         self.reference: dict[int, Any] = {}
         self._tables_current = False
         self._origin_scale: float | None = None
+        self._force_refresh = False
+        #: Top of the range every bound aims at, as a share of u_max (the overflow policy's back-off).
+        self.headroom = 1.0
         self.iteration = 0
 
     @property
@@ -55,14 +61,23 @@ class ScaleSchedule:
         self._update_flags()
 
     def _update_flags(self) -> None:
-        self.refresh = self.adaptive and self._iteration % self.options.update_per_n_iteration == 0
+        self.refresh = self.adaptive and (self._force_refresh
+                                          or self._iteration % self.options.update_per_n_iteration == 0)
         self.reuse = self._tables_current and not self.refresh
 
-    def scale_arrays(self) -> tuple[Any, Any, Any]:
-        """(table, unbound, factor): the arrays the factor math reads scales from and writes them to. Backends whose
-        arrays live in host memory behind another library's type return NumPy views of them
-        (:func:`~.array_ops.host_view`)."""
-        return self.table, self.unbound, self.factor  # type: ignore[attr-defined]
+    def scale_arrays(self) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """(table, unbound, factor, weight_unbound, weight_factor, weight_scale): the arrays the factor math reads
+        scales from and writes them to. Backends whose arrays live in host memory behind another library's type
+        return NumPy views of them (:func:`~.array_ops.host_view`)."""
+        return (self.table, self.unbound, self.factor, self.weight_unbound,  # type: ignore[attr-defined]
+                self.weight_factor, self.weight_scale)  # type: ignore[attr-defined]
+
+    def set_headroom(self, headroom: float) -> None:
+        """The share of u_max the next backward aims at; a change recomputes every statistics-based factor."""
+        if headroom != self.headroom:
+            self.headroom = float(headroom)
+            self._force_refresh = True
+            self.mark_stale()
 
     def note_origin_scale(self, scale: float) -> None:
         """The loss scale the next backward starts from; a change makes the stored accumulated scales stale."""
@@ -83,6 +98,7 @@ class ScaleSchedule:
         self.recording = False
         self.reference.clear()
         self._tables_current = self.adaptive
+        self._force_refresh = False
         if retry:
             self._update_flags()
         else:

@@ -19,7 +19,8 @@ from adaloss_cli.results.files import (CsvWriter, JsonLinesWriter, atomic_write_
                                       overwrite_in_place, read_json, write_failure)
 
 METRICS_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "lr", "skipped_steps", "elapsed_s")
-SCALES_COLUMNS = ("step", "layer", "unbound_factor", "factor", "accumulated_scale", "underflow_fraction")
+SCALES_COLUMNS = ("step", "layer", "unbound_factor", "factor", "accumulated_scale", "underflow_fraction",
+                  "weight_scale", "zeroed_fraction")
 
 
 def _now() -> str:
@@ -122,7 +123,8 @@ class RunWriter:
         for record in layers:
             self._scales.write({"step": step, "layer": record.layer, "unbound_factor": record.unbound_factor,
                                 "factor": record.factor, "accumulated_scale": record.accumulated_scale,
-                                "underflow_fraction": record.underflow_fraction})
+                                "underflow_fraction": record.underflow_fraction,
+                                "weight_scale": record.weight_scale, "zeroed_fraction": record.zeroed_fraction})
 
     def epoch(self, row: dict[str, Any]) -> None:
         """One row of metrics.csv."""

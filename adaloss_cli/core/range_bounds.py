@@ -1,0 +1,98 @@
+"""Exact worst-case bounds and measured distributions behind adaloss's own per-layer rules (``max_range`` and
+``measured_range``, see ``adaptive.py``), written once against the array namespace like ``adaptive_stats.py``.
+
+A scale point computes gx = gy . W and dW = gy^T . x in the low-precision dtype. Neither can overflow when
+
+    max|s * gy| * contraction_bound(W) <= u_max      (input gradient)
+    max|s_w * gy| * contraction_bound(x) <= u_max    (weight gradient)
+
+where ``contraction_bound`` is the largest sum of magnitudes that meets in one output element: for gx, the sum over
+the summed (output-feature) index of |W| for one input feature; for dW, the sum over every summed position (batch,
+sequence, pixels) of |x| for one input feature. Both are exact bounds (the triangle inequality), computed with one
+reduction over W or x. The Gaussian model of the paper predicts typical magnitudes instead and misses heavy tails; a
+bound cannot be exceeded, so a factor chosen from it never overflows.
+
+:func:`measured_lift` reads the measured distribution of |gy| instead of a Gaussian estimate: the smallest power of
+two that keeps the measured share of non-zero values below u_min within a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .array_ops import Float32Ops
+
+__all__ = ["abs_sum_max", "measured_lift"]
+
+# Exponent bins of float32 magnitudes: frexp exponents run from -148 (the smallest subnormal) to 128.
+_EXPONENT_OFFSET = 160
+_EXPONENT_BINS = 300
+
+
+def abs_sum_max(ops: Float32Ops, x: Any, keep_axis: int) -> Any:
+    """max over the indices of ``keep_axis`` of the sum of |x| over every other axis, in float32, as a value of
+    ``ops.scalars`` (NaN and inf propagate; 0 for an empty x).
+
+    For a Linear weight W (out, in) with ``keep_axis=1`` it bounds |gx| / max|gy|; for a layer input x (N, in) with
+    ``keep_axis=-1`` it bounds |dW| / max|gy|. One reduction, no float32 copy of a low-precision x on torch.
+    """
+    if math.prod(x.shape) == 0:
+        return ops.scalars.const(0.0)
+    keep = keep_axis % x.ndim
+    others = tuple(i for i in range(x.ndim) if i != keep)
+    if ops.is_torch:
+        torch = ops.native
+        if not others:
+            sums = x.abs().float()
+        elif x.dtype == torch.float64:
+            sums = torch.linalg.vector_norm(x, ord=1, dim=others).float()
+        else:
+            sums = torch.linalg.vector_norm(x, ord=1, dim=others, dtype=torch.float32)
+        top = sums.max()
+        return ops.scalar(top) if ops.host_scalars else top
+    sums = ops.xp.sum(ops.xp.abs(ops.f32(x)), axis=others) if others else ops.xp.abs(ops.f32(x))
+    return ops.scalar(ops.xp.max(sums))
+
+
+def measured_lift(ops: Float32Ops, gy: Any, u_min: float, n_uf: float) -> Any:
+    """The smallest power of two s >= 1 such that at most a share ``n_uf`` of gy's non-zero elements has
+    |gy| * s < u_min, measured on gy itself (one exponent histogram), as a value of ``ops.scalars``.
+
+    Elements are binned by their float32 exponent e (|g| in [2**(e-1), 2**e)); a bin counts as underflowing when its
+    whole range lies below u_min / s, so the result is conservative by at most one power of two. No host read on a
+    device: the histogram is a scatter-add and the search a comparison count. Values beyond float32's range come out
+    as +inf (the caller's upper bound takes over); an all-zero gy gives 1.
+    """
+    sops = ops.scalars
+    if math.prod(gy.shape) == 0:
+        return sops.const(1.0)
+    ceiling = math.ceil(math.log2(u_min))  # 2**ceiling >= u_min: the exponent every kept value must reach
+    counts = _torch_exponent_counts(ops.native, gy) if ops.is_torch else _array_exponent_counts(ops, gy)
+    cumulative = ops.native.cumsum(counts, 0)
+    # cumulative is non-decreasing: the number of bins whose running count fits is one past the last such bin.
+    fitting = (cumulative <= cumulative[-1] * np.float32(n_uf)).sum()
+    if ops.host_scalars:
+        power = max(ceiling - (int(fitting) - 1 - _EXPONENT_OFFSET), 0)
+        return sops.const(math.ldexp(1.0, power) if power < 128 else math.inf)
+    last = ops.f32(fitting) - ops.const(float(_EXPONENT_OFFSET + 1))
+    return ops.native.exp2(ops.maximum(ops.const(float(ceiling)) - last, ops.const(0.0)))
+
+
+def _torch_exponent_counts(torch: Any, gy: Any) -> Any:
+    _, exponent = torch.frexp(gy.float())
+    nonzero = (gy != 0) & torch.isfinite(gy)
+    index = (exponent + _EXPONENT_OFFSET).clamp_(0, _EXPONENT_BINS - 1).reshape(-1).long()
+    counts = torch.zeros(_EXPONENT_BINS, dtype=torch.float32, device=gy.device)
+    return counts.scatter_add_(0, index, nonzero.reshape(-1).float())
+
+
+def _array_exponent_counts(ops: Float32Ops, gy: Any) -> Any:
+    native = ops.native
+    values = ops.f32(gy).reshape(-1)
+    _, exponent = native.frexp(values)
+    keep = (values != 0) & native.isfinite(values)
+    index = native.clip(exponent[keep] + _EXPONENT_OFFSET, 0, _EXPONENT_BINS - 1)
+    return native.bincount(index, minlength=_EXPONENT_BINS).astype(np.float32)

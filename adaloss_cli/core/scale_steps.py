@@ -1,0 +1,117 @@
+"""The per-point backward steps of a transformed model, against a backend's scale state: the same on every backend.
+
+A backend's scale state is a :class:`~.scale_schedule.ScaleSchedule` holding, besides its flags, the arrays of
+:meth:`~.scale_schedule.ScaleSchedule.scale_arrays`: the scale table (one accumulated scale A per gradient edge)
+and, per scale point, the statistics-based factor, the applied factor and the weight gradient's own. Its
+``headroom`` (0 < h <= 1, the overflow policy's back-off) shrinks the top of the range every bound aims at.
+
+Each step reads the incoming scale from the table, recomputes what the schedule says (statistics on refresh
+iterations; bounds when anything changed; nothing between refreshes, where the stored factors still hold), writes
+the outgoing scale, and returns the multipliers the backend applies. Nothing reads a device value back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .adaptive import (MAX_ACCUMULATED_SCALE, _bound, _branch_common_scale, _floor_power_of_two,
+                       _output_factor, _statistics_of, _unbound_factor, _weight_gradient_bound)
+from .array_ops import ops_for
+
+__all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step"]
+
+
+def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
+                     axes: tuple[int, int] | None = None, x_bound: Any = None) -> tuple[Any, Any, Any] | None:
+    """One scale point's backward bookkeeping: returns (s, s_w, A_w), or None in measure-only mode (where the
+    scale passes through unchanged and the layer's gradients are left as they are).
+
+    ``s`` multiplies gy for the input gradient, which then carries A * s (written to ``in_slot``); ``s_w``
+    multiplies gy for the weight (and bias) gradient, which then carries A_w = A * s_w: the backend divides it by
+    A_w. On refresh iterations the statistics come from gy, ``weight`` (the layer's weight or its
+    :func:`~.adaptive.weight_statistics`) and ``x_bound`` (:func:`~.range_bounds.abs_sum_max` of the layer input
+    over its summed positions; None: the weight gradient shares s). All three values are 0-d device arrays, or
+    float32 scalars for arrays in host memory.
+    """
+    table, unbound, factors, weight_unbound, weight_factors, weight_scales = state.scale_arrays()
+    if state.reuse:
+        return factors[index], weight_factors[index], weight_scales[index]
+    accum = table[out_slot]
+    if not state.adaptive:
+        table[in_slot] = accum
+        return None
+    opts = state.options
+    ops = ops_for(gy)
+    sops = ops.scalars
+    with ops.quiet():
+        if state.refresh:
+            statistics = _statistics_of(weight, opts, axes)
+            unbound[index] = _unbound_factor(ops, gy, statistics, fan, opts, state.headroom)
+            separate = opts.exact_bounds and x_bound is not None
+            u_max = opts.range_for(gy.dtype)[1] * state.headroom
+            weight_unbound[index] = (_weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max) if separate
+                                     else sops.const(float("inf")))
+        factor = _bound(sops, unbound[index], accum / table[state.origin_slot], accum, opts)
+        weight_factor = _weight_factor(sops, factor, weight_unbound[index], accum, opts)
+        factors[index] = factor
+        weight_factors[index] = weight_factor
+        table[in_slot] = accum * factor
+        weight_scales[index] = weight_scale = accum * weight_factor
+    return factor, weight_factor, weight_scale
+
+
+def _weight_factor(sops: Any, factor: Any, bound: Any, accum: Any, opts: Any) -> Any:
+    """max_range fills the range on its own for the weight gradient; the paper's methods keep their factor unless
+    it would overflow the weight gradient. ``bound`` = +inf: no separate bound, the factor itself."""
+    if opts.method != "max_range":
+        bound = sops.minimum(bound, factor)
+    bound = sops.minimum(bound, sops.const(MAX_ACCUMULATED_SCALE) / accum)
+    return _floor_power_of_two(sops, bound) if opts.power_of_two else bound
+
+
+def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
+    """A branch or join point's backward bookkeeping: the multiplier of each incoming gradient (None: leave them as
+    they are) and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale
+    between refreshes: with the factors reused, the incoming scales are the same as then.
+
+    The common scale keeps every rescaled gradient below h * u_max (DESIGN.md 2.3); for max_range below
+    h * u_max / (2 k) for k gradients, so that their sum cannot overflow either.
+    """
+    table = state.scale_arrays()[0]
+    if len(grads) == 1 or not state.adaptive:
+        if not state.reuse:
+            table[in_slot] = table[slots[0]]
+        return None
+    scales = [table[slot] for slot in slots]
+    if state.reuse:
+        return [cache / a for a in scales]
+    if state.refresh:
+        ops = ops_for(grads[0])
+        opts = state.options
+        limit = opts.range_for(grads[0].dtype)[1] * state.headroom
+        if opts.method == "max_range":
+            limit /= 2.0 * len(grads)
+        with ops.quiet():
+            common, multipliers = _branch_common_scale(ops, grads, scales, limit)
+        cache[...] = common
+    else:
+        multipliers = [cache / a for a in scales]
+    table[in_slot] = cache
+    return multipliers
+
+
+def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
+    """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
+    statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
+    if state.reuse:
+        return cache
+    table = state.scale_arrays()[0]
+    if not state.adaptive:
+        table[in_slot] = table[out_slot]
+        return None
+    if state.refresh:
+        ops = ops_for(g)
+        with ops.quiet():
+            cache[...] = _output_factor(ops, g, target_dtype, state.options, state.headroom)
+    table[in_slot] = table[out_slot] * cache
+    return cache
