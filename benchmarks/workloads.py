@@ -75,9 +75,8 @@ class Runner:
             self.model = copy.deepcopy(initial)
             self.scaler = LossScaler(self.model, "dynamic")
         elif variant.startswith("adaptive-"):
-            # LossScaler deep-copies the model before transforming it, so ``initial`` stays untouched.
-            self.scaler = LossScaler(initial, "adaptive", update_per_n_iteration=int(variant.split("-", 1)[1]))
-            self.model = self.scaler.model
+            self.model = copy.deepcopy(initial)  # transformed in place
+            self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=int(variant.split("-", 1)[1]))
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()

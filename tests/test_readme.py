@@ -15,4 +15,4 @@ def test_the_library_example_runs_as_written(capsys):
     assert len(code.strip().splitlines()) <= 14
     exec(compile(code, "README example", "exec"), {})
     printed = capsys.readouterr().out
-    assert "2 scale points" in printed and "Linear" in printed
+    assert "2 scale points" in printed and "Linear" in printed and "fan 128" in printed

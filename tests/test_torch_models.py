@@ -138,7 +138,7 @@ def test_mixed_precision_forward_runs_tied_weights_in_float16_and_sums_their_gra
     model, x = Tied(), torch.randn(3, 4)
     reference = Tied()
     reference.load_state_dict(model.state_dict())
-    MixedPrecisionForward(model, "float16")(model, x).sum().backward()
+    MixedPrecisionForward(model, "float16", "pure")(model, x).sum().backward()
     assert model.seen == (torch.float16, torch.float16)  # both names cast, none left in float32
     assert model.first.weight.dtype == torch.float32  # the master weight is untouched
     reference.half()(x.half()).float().sum().backward()

@@ -48,7 +48,11 @@ class TorchBackend(Backend):
         self.scaler = LossScaler(model, config=config.loss_scaling,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
-        self.forward = MixedPrecisionForward(self.model, config.precision.dtype)
+        adaptive = config.loss_scaling.method == "adaptive"
+        self.forward = MixedPrecisionForward(self.model, config.precision.dtype, config.precision.mode,
+                                             in_graph=adaptive)
+        if config.precision.mode == "pure" and self.forward.is_mixed:
+            self.scaler.set_pure_dtype(self.forward.dtype)
         # What training runs: the same forward, through DistributedDataParallel when there are several processes.
         self.train_forward = data_parallel(self.model, self.forward)
         self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer)
@@ -184,10 +188,10 @@ class TorchBackend(Backend):
         return digest.hexdigest()[:16]
 
     def describe(self) -> str:
-        """One line about the model, and the table of scale points when adaptive."""
+        """One line about the model, and its scale points when adaptive (once the model has run)."""
         text = describe_model(self.model)
         if self.scaler.method == "adaptive":
-            text += "\n" + self.model.adaloss.table_text()
+            text += "\n" + self.scaler.describe()
         return text
 
     def peak_memory_bytes(self) -> int | None:

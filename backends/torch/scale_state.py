@@ -1,190 +1,225 @@
-"""The scale state of a transformed model: the scale table, the per-point factors, and the parameter gradients.
+"""The scale state of a model under adaptive loss scaling: per-point factors shared by every captured graph, and one
+small scale table per forward execution.
 
-Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1), held in a small
-float32 table on the model's device, one slot per gradient edge whose scale a node sets (the transform fixes which
-slot each node reads and writes; ``scale_points.py`` holds the nodes). Parameter gradients are divided by the A of
-the gradient they came from when the backward pass finishes (:meth:`ScaleState.begin_backward`): torch's fused
-GradScaler kernel unscales them and checks them for overflow in one pass, one call per distinct scale. With
-data-parallel training, DistributedDataParallel reads each gradient during backward, so the transform registers
-per-parameter hooks instead (``transform.hook_parameters_of``).
+Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1). The graph transform
+(``graph_transform.py``) gives each gradient edge of a captured graph a slot, fixed statically; each *execution* of
+that graph (each forward call) gets its own float32 table of those slots on the model's device, so a model called
+twice before one backward (a siamese loss) keeps two consistent sets of scales. Per scale point (keyed by its stable
+name, so a recompiled graph for another input shape continues where the last one was) the state keeps the
+statistics-based factors, the applied factors and the measurements of recorded steps.
+
+On CPU the factor math reads and writes these tensors through NumPy views of the same memory and finishes on
+float32 host scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device and nothing is
+read back during a step.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
-from torch.autograd import Variable
 
 from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.array_ops import host_view, torch_cpu_on_host
+from adaloss_cli.core.array_ops import host_view, scalars_on_host
 from adaloss_cli.core.scale_schedule import ScaleSchedule
 
-__all__ = ["ScaleState"]
+__all__ = ["Execution", "GraphPlan", "ScaleState"]
+
+#: The per-point arrays, in the order of ``ScaleSchedule.scale_arrays`` after the table.
+_POINT_ARRAYS = ("unbound", "factor", "weight_unbound", "weight_factor", "weight_scale")
+#: Per-point measurements of recorded steps: the input gradient's scale and its measured underflow.
+_RECORD_ARRAYS = ("in_scale", "underflow")
 
 
-class ScaleState(nn.Module, ScaleSchedule):
-    """Shared state of one transformed model: the scale table and the per-point factors and measurements.
+@dataclass
+class GraphPlan:
+    """What one captured graph needs at run time: its number of slots, the slot of its first output point (where
+    the accumulated cap of the paper's methods counts from) and the table its last full backward left (reused by
+    executions between refreshes)."""
+    key: int
+    num_slots: int
+    origin_slot: int = 0
+    template: torch.Tensor | None = None
+    points: list[str] = field(default_factory=list)
 
-    ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
-    (used to measure underflow for the none/fixed/dynamic methods). When the scale points recompute what is
-    :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision. On CPU the factor math reads and writes the
-    tables through NumPy views of the same memory (:meth:`scale_arrays`), and factors reach the scale points as
-    host float32 scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device.
+
+class ScaleState(ScaleSchedule):
+    """Shared state of one model under adaptive scaling (``options`` None: measure-only, every factor 1).
+
+    Owned by the :class:`~.scaler.LossScaler`, not by the model, so the model's ``state_dict`` is unchanged.
     """
 
-    def __init__(self, num_slots: int, num_points: int, options: AdaptiveOptions | None, init_scale: float) -> None:
-        super().__init__()
+    def __init__(self, options: AdaptiveOptions | None, init_scale: float, device: torch.device | str) -> None:
         self.init_schedule(options)
-        self.origin_slot = 0
-        self.register_buffer("table", torch.ones(num_slots), persistent=False)
-        self.register_buffer("unbound", torch.ones(num_points), persistent=False)
-        self.register_buffer("factor", torch.ones(num_points), persistent=False)
-        self.register_buffer("underflow", torch.full((num_points,), float("nan")), persistent=False)
-        #: Non-zero once a parameter gradient unscaled at the end of a backward pass was not finite (reset by
-        #: :meth:`finish_iteration`): the overflow check of those gradients, fused with their unscaling.
-        self.register_buffer("found_inf", torch.zeros(1), persistent=False)
-        self.table.fill_(init_scale)
-        self.note_origin_scale(init_scale)
-        #: Each parameter and the slot of the scale its gradient carries: its gradient is divided by that scale when
-        #: a backward pass ends. Empty when per-parameter hooks do that, or nothing does (measure-only).
-        self.param_slots: list[tuple[nn.Parameter, int]] = []
-        # Per-pass bookkeeping in a plain object: nn.Module's __setattr__ costs more than the work it records.
-        self._run = _BackwardRun()
+        self.device = torch.device(device)
+        self.loss_scale = float(init_scale)
+        self.note_origin_scale(self.loss_scale)
+        #: Compute dtype for the pure (non-autocast) low-precision path: casts happen inside the graph.
+        self.pure_dtype: torch.dtype | None = None
+        self.names: list[str] = []
+        self.index_of: dict[str, int] = {}
+        #: Each point's operation kind and fan, for the printed table.
+        self.kinds: dict[str, tuple[str, int]] = {}
+        self.arrays: dict[str, torch.Tensor] = {}
+        self._views: dict[str, Any] = {}
+        self._allocate(0)
+        #: 0-d factors of output points and common scales of branch/join points, by name (reused between refreshes).
+        self.caches: dict[str, torch.Tensor] = {}
+        self.graphs: dict[int, GraphPlan] = {}
+        self._active: list[Execution] = []
+        #: Backward passes through scale points since the scaler last checked (see LossScaler.step).
+        self.backward_passes = 0
+        #: Recorded steps: the output points' measured cast underflow, and every point's share of input-gradient
+        #: elements that are zero in low precision but not in float32 for any reason (also forward mismatches).
+        self.output_records: dict[str, Any] = {}
+        self.zeroed: dict[str, Any] = {}
 
-    def _apply(self, fn, *args, **kwargs):
-        """Moves with the model, but the scales stay float32 even when the model is cast to half. The next backward
-        recomputes every bound, so no point keeps a factor from before the move."""
-        super()._apply(fn, *args, **kwargs)
-        for name, buffer in self._buffers.items():
-            if buffer is not None and buffer.dtype != torch.float32:
-                self._buffers[name] = buffer.float()
-        self._run.inverses, self._run.divisions = {}, None  # tensors on the old device
-        self.mark_stale()
-        return self
+    # -- points ------------------------------------------------------------------------------------------------------
 
-    def __getstate__(self) -> dict:
-        """Copies and pickles leave the cached views behind: a copied NumPy view would not share the copied
-        tensor's memory."""
-        state = dict(super().__getstate__())
-        state["_run"] = _BackwardRun()
-        return state
+    def register_point(self, name: str, kind: str = "", fan: int = 0) -> int:
+        """The index of the scale point called ``name``, allocating its slots in every per-point array."""
+        index = self.index_of.get(name)
+        if index is None:
+            index = self.index_of[name] = len(self.names)
+            self.names.append(name)
+            self.kinds[name] = (kind, fan)
+            self._allocate(len(self.names))
+        return index
 
-    def scale_arrays(self) -> tuple[Any, Any, Any]:
-        """(table, unbound, factor) as the factor math uses them: the buffers themselves on CUDA, NumPy views of
-        their memory on CPU (made again whenever a buffer is replaced, e.g. by ``.to()``)."""
-        cached = self._run.arrays
-        buffers = self._buffers
-        if (cached is None or cached[0] is not buffers["table"] or cached[1] is not buffers["unbound"]
-                or cached[2] is not buffers["factor"] or cached[3] != torch_cpu_on_host()):
-            tensors = (buffers["table"], buffers["unbound"], buffers["factor"])
-            cached = self._run.arrays = (*tensors, torch_cpu_on_host(), tuple(host_view(t) for t in tensors))
-        return cached[4]
+    def _allocate(self, size: int) -> None:
+        fills = {"unbound": 1.0, "factor": 1.0, "weight_unbound": float("inf"), "weight_factor": 1.0,
+                 "weight_scale": self.loss_scale, "in_scale": self.loss_scale, "underflow": float("nan")}
+        grown = {}
+        for name, fill in fills.items():
+            array = torch.full((max(size, 1),), fill, dtype=torch.float32, device=self.device)
+            old = self.arrays.get(name)
+            if old is not None:
+                array[:old.numel()] = old[:array.numel()]
+            grown[name] = array
+        self.arrays = grown
+        self._views = {}
+
+    def cache(self, name: str) -> torch.Tensor:
+        """The 0-d float32 cache of an output, branch or join point (created at 1)."""
+        found = self.caches.get(name)
+        if found is None:
+            found = self.caches[name] = torch.ones((), dtype=torch.float32, device=self.device)
+        return found
+
+    def view(self, name: str) -> Any:
+        """A per-point array as the factor math uses it: the tensor on CUDA, a NumPy view of it on CPU."""
+        found = self._views.get(name)
+        on_host = scalars_on_host(self.arrays[name])
+        if found is None or found[0] != on_host:
+            found = self._views[name] = (on_host, host_view(self.arrays[name]))
+        return found[1]
+
+    def cache_view(self, name: str) -> Any:
+        """:meth:`cache` as the factor math uses it."""
+        return host_view(self.cache(name))
+
+    # -- graphs and executions -------------------------------------------------------------------------------------
+
+    def add_graph(self, num_slots: int, origin_slot: int, points: list[str]) -> GraphPlan:
+        """Register a newly captured graph; returns its plan."""
+        plan = GraphPlan(key=len(self.graphs), num_slots=num_slots, origin_slot=origin_slot, points=points)
+        self.graphs[plan.key] = plan
+        return plan
+
+    def begin(self, plan: GraphPlan) -> "Execution":
+        """A new execution of a captured graph (one forward call), with its own scale table."""
+        if self.reuse and plan.template is not None:
+            table = plan.template.clone()
+        else:
+            table = torch.full((max(plan.num_slots, 1),), self.loss_scale, dtype=torch.float32, device=self.device)
+        return Execution(self, plan, table)
+
+    def ran_backward(self, execution: "Execution") -> None:
+        """Called by an execution's first backward node."""
+        self._active.append(execution)
+        self.backward_passes += 1
+
+    # -- iteration control -----------------------------------------------------------------------------------------
 
     def set_loss_scale(self, scale: float) -> None:
-        """The scale of the gradient arriving from the loss (slot 0)."""
-        self.table[0] = scale
-        self.note_origin_scale(scale)
-
-    def begin_backward(self) -> None:
-        """Called by the transformed model's nodes in backward; the first call of a backward pass prepares the
-        parameter gradients of :attr:`param_slots` to be unscaled when the pass ends.
-
-        Gradients accumulated by earlier passes (micro-batches) are already unscaled; they are held aside, so this
-        pass's gradients arrive alone, scaled, and are unscaled before the held ones are added back. The model
-        output's node runs before any parameter of the model gets its gradient, so nothing is missed.
-        """
-        if not self.param_slots:
-            return
-        run = self._run
-        task = torch._C._current_graph_task_id()
-        if task in (run.task, -1):  # -1: called outside a backward pass (a direct call in a test)
-            return
-        run.task = task
-        run.held = [(p, p.grad) for p, _ in self.param_slots if p.grad is not None]
-        for p, _ in run.held:
-            p.grad = None
-        Variable._execution_engine.queue_callback(self._unscale_parameter_grads)
-
-    def _unscale_parameter_grads(self) -> None:
-        """End of a backward pass: unscale the new gradients and check them for overflow in one pass (torch's
-        fused GradScaler kernel, one call per distinct scale, multiplying by the exact reciprocal of a power of
-        two; other scales are divided, then checked), then add back the held ones."""
-        run = self._run
-        if run.divisions is None or not self.reuse:  # the scales this pass used are new
-            run.divisions = self._divisions()
-        for inverse, divisor, params in run.divisions:
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            if divisor is not None:
-                torch._foreach_div_(grads, divisor)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inverse)
-        for p, held in run.held:
-            p.grad = held if p.grad is None else p.grad.add_(held)
-        run.held = []
-
-    def _divisions(self) -> list[tuple[torch.Tensor, Any, list[nn.Parameter]]]:
-        """The parameters of :attr:`param_slots` grouped by the scale their gradients carry, each group with the
-        1-element factor the fused kernel multiplies by and, for a scale that is not a power of two, the divisor
-        applied first: equal host scales share one group; on a device, one group per slot."""
-        table = self.scale_arrays()[0]
-        on_host = isinstance(table, np.ndarray)
-        groups: dict[Any, list[nn.Parameter]] = {}
-        for p, slot in self.param_slots:
-            groups.setdefault(float(table[slot]) if on_host else slot, []).append(p)
-        if not on_host:  # no host read: the reciprocal is exact when the scale is a power of two (the default)
-            return [(torch.reciprocal(table[slot:slot + 1]), None, params) for slot, params in groups.items()]
-        divisions = []
-        inverses = self._run.inverses
-        for scale, params in groups.items():
-            exact = math.frexp(scale)[0] == 0.5  # a power of two: multiplying by 1/scale is exact
-            factor = 1.0 / scale if exact else 1.0
-            inverse = inverses.get(factor)
-            if inverse is None:  # the same few powers of two come back step after step
-                inverse = inverses[factor] = torch.full((1,), factor, device=self.found_inf.device)
-            divisions.append((inverse, None if exact else scale, params))
-        return divisions
-
-    def checked_parameters(self) -> frozenset[int]:
-        """Ids of the parameters whose gradients each backward pass unscales and checks for overflow into
-        :attr:`found_inf` (empty when per-parameter hooks unscale them, or nothing does)."""
-        run = self._run
-        if run.param_ids is None:
-            run.param_ids = frozenset(id(p) for p, _ in self.param_slots)
-        return run.param_ids
+        """The scale of the gradient arriving from the loss (slot 0 of every table)."""
+        self.loss_scale = float(scale)
+        self.note_origin_scale(self.loss_scale)
 
     def finish_iteration(self, retry: bool) -> None:
-        """As :meth:`ScaleSchedule.finish_iteration`, and the fused overflow flag starts again from zero."""
+        """After the optimizer decision: the tables of this iteration's full backward passes become the templates
+        steps until the next refresh reuse."""
+        if not self.reuse:
+            for execution in self._active:
+                execution.plan.template = execution.table
+        self._active = []
         super().finish_iteration(retry)
-        self.found_inf.zero_()
+
+    def mark_stale(self) -> None:
+        """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
+        super().mark_stale()
+        for plan in getattr(self, "graphs", {}).values():
+            plan.template = None
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def state_dict_values(self) -> dict[str, Any]:
-        """The per-layer state a checkpoint must hold (as CPU tensors) and the iteration counter."""
-        return {"iteration": self.iteration, "table": self.table.cpu(), "unbound": self.unbound.cpu(),
-                "factor": self.factor.cpu()}
+        """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs."""
+        n = len(self.names)
+        return {"iteration": self.iteration, "names": list(self.names), "headroom": self.headroom,
+                **{name: self.arrays[name][:n].cpu() for name in _POINT_ARRAYS},
+                "caches": {name: value.cpu() for name, value in self.caches.items()}}
 
     def load_state_values(self, values: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict_values`."""
+        """Restore :meth:`state_dict_values`; points are matched by name (they are registered as needed)."""
         self.iteration = int(values["iteration"])
-        for name in ("table", "unbound", "factor"):
-            getattr(self, name).copy_(values[name])
+        self.headroom = float(values.get("headroom", 1.0))
+        for position, name in enumerate(values["names"]):
+            index = self.register_point(name)
+            for array in _POINT_ARRAYS:
+                self.arrays[array][index] = values[array][position]
+        for name, value in values.get("caches", {}).items():
+            self.cache(name).copy_(value)
         self.mark_stale()
 
 
-class _BackwardRun:
-    """What one backward pass tracks (its graph task, the gradients held aside), and what passes that reuse the
-    stored factors can reuse too: the array views and the parameter-gradient divisions."""
+class Execution:
+    """One forward call of a captured graph: its scale table, and the schedule flags the core steps read.
 
-    __slots__ = ("task", "held", "arrays", "divisions", "param_ids", "inverses")
+    The flags are fixed when the forward starts (the optimizer step that changes them comes after this execution's
+    backward). :meth:`scale_arrays` is what ``adaloss_cli.core.scale_steps`` reads and writes.
+    """
 
-    def __init__(self) -> None:
-        self.task: int | None = None
-        self.held: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self.arrays: tuple | None = None
-        self.divisions: list | None = None
-        self.param_ids: frozenset[int] | None = None
-        self.inverses: dict[float, torch.Tensor] = {}  # 1-element factors for the fused kernel, by value
+    __slots__ = ("state", "plan", "table", "options", "adaptive", "refresh", "reuse", "headroom", "origin_slot",
+                 "reference_pass", "recording", "compute_dtype", "pure", "_table_view", "_started")
+
+    def __init__(self, state: ScaleState, plan: GraphPlan, table: torch.Tensor) -> None:
+        self.state, self.plan, self.table = state, plan, table
+        self.options = state.options
+        self.adaptive = state.adaptive
+        self.refresh = state.refresh
+        self.reuse = state.reuse and plan.template is not None
+        self.headroom = state.headroom
+        self.origin_slot = plan.origin_slot
+        self.reference_pass = state.reference_pass
+        self.recording = state.recording
+        #: The low-precision dtype scale points compute in (autocast's, or the pure mode's), None for float32.
+        self.compute_dtype: torch.dtype | None = None
+        #: Whether this is the pure low-precision mode (casts inside the graph) rather than autocast.
+        self.pure = False
+        self._table_view = host_view(table)
+        self._started = False
+
+    def scale_arrays(self) -> tuple:
+        """(table, unbound, factor, weight_unbound, weight_factor, weight_scale) for the core steps. The per-point
+        arrays are looked up each time: a graph captured meanwhile may have grown them."""
+        view = self.state.view
+        return (self._table_view, view("unbound"), view("factor"), view("weight_unbound"), view("weight_factor"),
+                view("weight_scale"))
+
+    def started_backward(self) -> None:
+        """The first backward node of this execution tells the state (once)."""
+        if not self._started:
+            self._started = True
+            self.state.ran_backward(self)

@@ -1,12 +1,13 @@
 """``LossScaler``: loss scaling for a PyTorch training loop, shaped like ``torch.amp.GradScaler``.
 
-Every adaloss method (none, fixed, dynamic, adaptive) sits behind the same four calls, so switching method is one
+Every adaloss method (none, fixed, dynamic, adaptive) sits behind the same calls, so switching method is one
 argument::
 
-    scaler = LossScaler(model, "dynamic", preset="deepspeed")
-    model = scaler.model
+    scaler = LossScaler(model, "adaptive")       # adaptive: the model is transformed in place
+    with torch.autocast("cuda", torch.float16):
+        loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
-    stepped = scaler.step(optimizer)   # False when the step was skipped (overflow)
+    stepped = scaler.step(optimizer)              # False when the step was skipped (overflow)
     scaler.update()
 
 Unscaling and the overflow check use torch's fused multi-tensor kernel; the only device-to-host read per step is
@@ -16,7 +17,7 @@ are all-reduced before that read, so every process takes the same decision and l
 
 from __future__ import annotations
 
-import copy
+import math
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,24 +26,20 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from adaloss_cli.backends.base import LayerRecord
+from adaloss_cli.backends.base import OUTPUT_RECORD, LayerRecord
 from adaloss_cli.config.loader import scaling_config
 from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
+from .capture import compiled, install, installed_state
+from .graph_transform import TransformError
 from .scale_state import ScaleState
-from .transform import UNSCALE_AFTER_BACKWARD, UNSCALE_PER_PARAMETER, TransformError, transform_model
-
-
-def _distributed_initialized() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextmanager
 def _preserved_rng_and_buffers(model: nn.Module) -> Iterator[None]:
-    """Run a side computation without changing the RNG streams or any buffer (batch-norm statistics, scales)."""
+    """Run a side computation without changing the RNG streams or any buffer (batch-norm statistics)."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -57,27 +54,27 @@ def _preserved_rng_and_buffers(model: nn.Module) -> Iterator[None]:
                 buffer.copy_(saved)
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 class LossScaler:
     """Loss scaling for one model and optimizer, with the call pattern of ``torch.amp.GradScaler``.
 
     Args:
-        model: the model to train, with float32 parameters. ``scaler.model`` is the model to use from then on: for
-            ``adaptive`` it is a transformed copy (torch.fx) whose backward carries per-layer scales and whose
-            parameter gradients leave backward already unscaled; for the other methods it is ``model`` itself.
+        model: the model to train, with float32 parameters. For ``adaptive`` it is transformed in place (its forward
+            is captured with torch.compile and rewritten so that every layer's backward carries a scale of its own;
+            its parameters, ``state_dict`` and any optimizer stay as they are); ``scaler.model`` is ``model``.
         method: ``none``, ``fixed``, ``dynamic`` or ``adaptive``.
         config: a validated ``LossScalingConfig`` (as the trainer passes); otherwise ``options`` are the keys of
             the method's config section, e.g. ``scale=128`` for fixed, ``preset="deepspeed"`` for dynamic,
             ``loss_scale_method="abs_range"`` for adaptive.
-        passthrough_modules: extra parameter-owning module types the adaptive transform may treat like batch norm
-            (parameter gradients unscaled, no factor of their own).
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
-            processes must agree on skipping a step: the overflow flag is all-reduced (any process's overflow skips
-            the step everywhere) and the loss given to :meth:`step` averaged, in one collective before the step's
-            single host read. Adaptive scales stay per process: parameter gradients leave backward unscaled, so
-            DistributedDataParallel averages true gradients whatever scales each process chose. (Adaptive
-            unscales each gradient as it is computed when ``process_group`` is given or torch.distributed is
-            initialised with several processes, and in one batch at the end of backward otherwise: build the
-            scaler after ``init_process_group``.)
+            processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
+            :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
+            process: every parameter gradient leaves backward unscaled, so DistributedDataParallel averages true
+            gradients whatever scales each process chose.
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
@@ -85,24 +82,33 @@ class LossScaler:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
-        self._passthrough = tuple(passthrough_modules)
-        self._measuring: nn.Module | None = None
-        if self.method == "adaptive":
-            options_ = AdaptiveOptions.from_config(self.config.adaptive)
-            # DistributedDataParallel averages each gradient during backward, so it must be unscaled by then.
-            unscale = (UNSCALE_PER_PARAMETER if process_group is not None or _distributed_initialized()
-                       else UNSCALE_AFTER_BACKWARD)
-            self.model = transform_model(copy.deepcopy(model), options_, init_scale=self.policy.scale,
-                                         passthrough_modules=self._passthrough, unscale=unscale)
-        else:
-            self.model = model
+        self.model = model
         self.process_group = process_group
+        self.state: ScaleState | None = None
+        self._measuring: Any = None
+        self._measuring_state: ScaleState | None = None
+        if self.method == "adaptive":
+            self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale,
+                                    _device_of(model))
+            install(model, self.state)
         self._found_inf: torch.Tensor | None = None
         self._model_ids: frozenset[int] | None = None
         self._attempt = 0
         self.last_action: StepAction | None = None
         self.last_loss: float | None = None
         self.found_overflow = False
+
+    # -- precision -----------------------------------------------------------------------------------------------------
+
+    def set_pure_dtype(self, dtype: torch.dtype | None) -> None:
+        """The pure low-precision mode (no autocast): the transformed graph casts floating inputs and parameters to
+        ``dtype`` itself (normalisation parameters stay float32). Only adaptive and measuring graphs use it."""
+        for state in (self.state, self._measuring_state):
+            if state is not None:
+                state.pure_dtype = dtype
+        self._pure_dtype = dtype
+
+    # -- the GradScaler calls -------------------------------------------------------------------------------------------
 
     def get_scale(self) -> float:
         """The global loss scale the next backward will use."""
@@ -114,8 +120,8 @@ class LossScaler:
         return loss if scale == 1.0 else loss * scale
 
     def _grad_divisor(self, p: torch.Tensor) -> float:
-        """What ``p``'s gradient is divided by after backward: adaptive scaling unscales the gradients of its
-        model's parameters itself; any other gradient carries the loss scale."""
+        """What ``p``'s gradient is divided by after backward: adaptive scaling leaves its model's parameter
+        gradients unscaled; any other gradient carries the loss scale."""
         if self.method == "adaptive" and id(p) in self._model_parameter_ids():
             return 1.0
         return self.policy.scale
@@ -132,16 +138,13 @@ class LossScaler:
         """
         if self._found_inf is not None:
             return
-        # Adaptive scaling unscales and checks its model's gradients when each backward pass ends: only gradients
-        # it did not handle (parameters from elsewhere in the optimizer) are left to check here.
-        state = self._active_state() if self.method == "adaptive" else None
-        checked = state.checked_parameters() if state is not None else frozenset()
-        found = state.found_inf if checked else None
+        self._check_adaptive_ran(optimizer)
         grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and id(p) not in checked:
+                if p.grad is not None:
                     grads[(p.grad.device, p.grad.dtype, self._grad_divisor(p))].append(p.grad)
+        found = None
         for (device, _, divisor), tensors in grads.items():
             found_here = torch.zeros(1, device=device)
             inv = torch.full((1,), 1.0 / divisor, device=device)
@@ -149,12 +152,26 @@ class LossScaler:
             found = found_here if found is None else found + found_here.to(found.device)
         self._found_inf = found if found is not None else torch.zeros(1)
 
+    def _check_adaptive_ran(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adaptive scaling must have run in this step's backward, or the gradients were never scaled: say so
+        instead of training silently without it."""
+        state = self.state
+        if state is None or state.backward_passes or state.reference_pass:
+            return
+        ids = self._model_parameter_ids()
+        if any(p.grad is not None and id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                "adaloss: adaptive loss scaling did not run in this backward although the model has gradients. "
+                "The forward did not go through the transformed model: call the model itself (model(x)), not "
+                "model.forward(x) or a copy of it, and do not torch.compile or replace it after building the "
+                "LossScaler (if torch.compile reached its recompile limit, raise torch._dynamo.config.recompile_limit)")
+
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> bool:
         """Apply ``optimizer.step()`` unless a gradient overflowed; return whether it stepped.
 
         ``loss`` (optional) is read back in the same device-to-host transfer as the overflow flag and kept in
         ``last_loss``, so logging the loss costs no extra synchronisation. After an overflow, ``last_action`` says
-        whether the policy wants the step skipped or the same batch retried with the smaller scale.
+        whether the policy wants the step skipped or the same batch retried with the new scale.
         """
         self.unscale_(optimizer)
         values = self._found_inf.reshape(1).float()
@@ -185,55 +202,65 @@ class LossScaler:
         retry = self.last_action is StepAction.RETRY
         self._attempt = self._attempt + 1 if retry else 0
         self._found_inf = None
-        state = self._active_state()
-        if state is not None:
-            state.finish_iteration(retry)
+        for state in (self.state, self._measuring_state):
+            if state is not None:
+                state.finish_iteration(retry)
+                state.backward_passes = 0
+        if self.state is not None:
+            self.state.set_headroom(self.policy.headroom)  # type: ignore[attr-defined]
+
+    @property
+    def should_retry(self) -> bool:
+        """Whether the last step asked to re-run the same batch (retry on overflow)."""
+        return self.last_action is StepAction.RETRY
 
     # -- per-layer view: scale points, recording, underflow -------------------------------------------------------
 
     def _active_state(self) -> ScaleState | None:
-        """The scale state of the transformed model in use, if any has been built."""
-        model = self.model if self.method == "adaptive" else (self._measuring or None)
-        return model.adaloss.state if model is not None else None
+        return self.state if self.method == "adaptive" else self._measuring_state
 
-    def measuring_model(self) -> nn.Module | None:
-        """The model to run on a recorded step: the adaptive model, or a measure-only transform sharing ``model``'s
-        parameters (None, with a warning, when the model cannot be transformed)."""
+    def measuring_model(self) -> Callable[..., Any] | None:
+        """What to run a recorded step with: the adaptive model, or a measure-only transform of ``model`` (same
+        parameters, all factors 1); None, with a warning, when the model cannot be captured."""
         if self.method == "adaptive":
             return self.model
         if self._measuring is None:
-            try:
-                self._measuring = transform_model(self.model, None, self.policy.scale, self._passthrough,
-                                                  unscale=None)
-            except TransformError as err:
-                warnings.warn(f"underflow is not measured: {err}", stacklevel=2)
-                self._measuring = False  # type: ignore[assignment]
+            self._measuring_state = ScaleState(None, self.policy.scale, _device_of(self.model))
+            self._measuring_state.pure_dtype = getattr(self, "_pure_dtype", None)
+            self._measuring = compiled(self.model, self._measuring_state)
         return self._measuring or None
 
-    def start_recording(self, reference_loss: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+    def start_recording(self, reference_loss: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Record per-layer factors and underflow during the next backward; returns the model to run it with.
 
         ``reference_loss(model)`` must run the same batch through ``model`` in float32 and return ``(loss, input)``
         with ``input`` requiring grad. It runs first, unscaled, to get every scale point's true input gradient;
         RNG and buffers (batch-norm statistics) are restored afterwards, so the recorded step itself is unchanged.
-        Underflow is then the share of each layer's input gradient that is zero in the training dtype where the
-        float32 backward is not: values lost here or anywhere downstream.
+        Underflow is then the share of each layer's input gradient lost to underflow (see ``points.py``).
         """
         model = self.measuring_model()
-        if model is None:
+        state = self._active_state()
+        if model is None or state is None:
             return self.model
-        state = model.adaloss.state
-        with _preserved_rng_and_buffers(model):
-            state.reference_pass = True
-            try:
-                loss, inputs = reference_loss(model)
-                torch.autograd.grad(loss, inputs)
-            finally:
-                state.reference_pass = False
+        try:
+            with _preserved_rng_and_buffers(self.model):
+                state.reference_pass = True
+                try:
+                    loss, inputs = reference_loss(model)
+                    torch.autograd.grad(loss, inputs)
+                finally:
+                    state.reference_pass = False
+        except TransformError as err:
+            if self.method == "adaptive":
+                raise
+            warnings.warn(f"underflow is not measured: {err}", stacklevel=2)
+            self._measuring = False
+            return self.model
         state.recording = True
-        state.underflow.fill_(float("nan"))
-        if model.adaloss.output is not None:
-            model.adaloss.output.underflow.fill_(float("nan"))
+        state.mark_stale()  # the reference pass ran the points: the next backward recomputes
+        state.view("underflow")[:] = float("nan")
+        state.output_records.clear()
+        state.zeroed.clear()
         if self.method != "adaptive":
             state.set_loss_scale(self.policy.scale)
         return model
@@ -241,45 +268,52 @@ class LossScaler:
     def layer_records(self) -> list[LayerRecord]:
         """What each scale point did in the last recorded backward (one device-to-host read for all layers).
 
-        The first record, ``output``, is the model output, where the float32 loss gradient is cast to the model's
-        dtype; then every Linear/Conv scale point by qualified name.
-        """
+        The first records are the model outputs (``output``), where the float32 loss gradient is cast to the
+        model's dtype; then every scale point by name, in the order the forward first called them."""
         state = self._active_state()
-        if state is None:
+        if state is None or not state.names:
             return []
-        adaloss = self.measuring_model().adaloss
-        points = list(adaloss.scale)
-        n = len(points)
-        ones = torch.ones(n, device=state.table.device)
-        columns = [state.unbound[:n] if state.adaptive else ones, state.factor[:n] if state.adaptive else ones,
-                   state.table[[p.in_slot for p in points]], state.underflow[:n]]
-        names = [p.name for p in points]
-        if adaloss.output is not None:
-            out = adaloss.output
-            head = [out.factor, out.factor, state.table[out.in_slot], out.underflow]
-            columns = [torch.cat([h.reshape(1), c]) for h, c in zip(head, columns)]
-            names.insert(0, out.name)
-        if not names:
-            return []
+        n = len(state.names)
+        adaptive = state.adaptive
+        arrays = state.arrays
+        columns = [arrays["unbound"][:n], arrays["factor"][:n], arrays["in_scale"][:n], arrays["underflow"][:n],
+                   arrays["weight_scale"][:n]]
         rows = torch.stack(columns).tolist()
-        return [LayerRecord(layer=name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf)
-                for name, u, f, a, uf in zip(names, *rows)]
+        records = []
+        for name, value in sorted(state.output_records.items()):
+            factor = float(state.cache(name)) if adaptive else 1.0
+            records.append(LayerRecord(layer=OUTPUT_RECORD if name == "output" else name, unbound_factor=factor,
+                                       factor=factor, accumulated_scale=factor * state.loss_scale,
+                                       underflow_fraction=float(value)))
+        zeroed = state.zeroed
+        for i, (name, unbound, factor, scale, underflow, weight_scale) in enumerate(zip(state.names, *rows)):
+            if not adaptive:
+                unbound = factor = 1.0
+                weight_scale = scale
+            records.append(LayerRecord(layer=name, unbound_factor=unbound, factor=factor, accumulated_scale=scale,
+                                       underflow_fraction=underflow, weight_scale=weight_scale,
+                                       zeroed_fraction=float(zeroed[name]) if name in zeroed else math.nan))
+        return records
 
-    @property
-    def should_retry(self) -> bool:
-        """Whether the last step asked to re-run the same batch (nnabla-style retry on overflow)."""
-        return self.last_action is StepAction.RETRY
+    def describe(self) -> str:
+        """The adaptive scale points as a table (name, operation, fan); they are found when the model first runs."""
+        state = self.state
+        if state is None:
+            return ""
+        if not state.names:
+            return "adaptive scaling: scale points are found when the model first runs"
+        width = max(len(name) for name in state.names)
+        lines = [f"adaptive scaling ({state.options.method}): {len(state.names)} scale points"]
+        lines += [f"  {name:<{width}}  {kind:<14} fan {fan}" for name, (kind, fan) in state.kinds.items()]
+        return "\n".join(lines)
+
+    # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume scaling exactly."""
-        state = {"method": self.method, "policy": self.policy.state_dict()}
-        if self.method == "adaptive":
-            adaloss = self.model.adaloss
-            state["layers"] = adaloss.state.state_dict_values()
-            # Reused between refreshes (update_per_n_iteration), so a resume mid-interval needs them too.
-            state["branch_common"] = [b.common.cpu() for b in adaloss.branch]
-            if adaloss.output is not None:
-                state["output_factor"] = adaloss.output.factor.cpu()
+        state: dict[str, Any] = {"method": self.method, "policy": self.policy.state_dict()}
+        if self.state is not None:
+            state["layers"] = self.state.state_dict_values()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,10 +321,6 @@ class LossScaler:
         if state.get("method") != self.method:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
-        if self.method == "adaptive":
-            adaloss = self.model.adaloss
-            adaloss.state.load_state_values(state["layers"])
-            for branch, common in zip(adaloss.branch, state.get("branch_common", [])):
-                branch.common.copy_(common)
-            if adaloss.output is not None and "output_factor" in state:
-                adaloss.output.factor.copy_(state["output_factor"])
+        if self.state is not None and "layers" in state:
+            self.state.load_state_values(state["layers"])
+            self.state.set_headroom(self.policy.headroom)  # type: ignore[attr-defined]

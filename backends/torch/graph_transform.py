@@ -1,0 +1,614 @@
+"""The rewrite of a captured FX graph (from torch.compile's Dynamo, see ``capture.py``) for adaptive loss scaling.
+
+Given the forward graph of a model, with its parameters as inputs, the rewrite
+
+1. turns in-place updates of values that carry gradients into out-of-place ones (inserted points hand out views);
+2. replaces every matrix product or convolution with a parameter operand by a scale point (``points.py``);
+3. puts a parameter use (``scale_ops.ParamUse``) on every other use of a parameter, so that each use's gradient is
+   unscaled at that use's scale before autograd adds uses together (tied weights, bare parameters);
+4. puts an output point on every model output that carries gradients, and on every edge where a low-precision
+   value is widened to float32 (autocast's float32 ops, a float32 residual), and an input point on every floating
+   input;
+5. joins the separately used outputs of one operation (``qkv.split``) and branches every value with several
+   consumers, so that gradients meeting there are brought to one scale first;
+6. gives each gradient edge its slot in the scale table, walking backward from the outputs: an operation's inputs'
+   gradients carry the scale of its output gradient (every backward is linear in it) except where a point sets one.
+
+What it cannot follow it refuses by name (:class:`TransformError`): a higher-order operator (activation
+checkpointing, an autocast region compiled as a subgraph) that gradients flow through, or an in-place update of a
+value whose earlier views are used afterwards.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from adaloss_cli.errors import UserError
+
+from .points import ConvPoint, LinearPoint, MatmulPoint, ScalePoint
+from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse
+from .scale_state import GraphPlan, ScaleState
+
+__all__ = ["AdalossGraph", "TransformError", "transform_graph"]
+
+_LINEAR = {torch._C._nn.linear, F.linear}
+_CONV = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3, F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_TRANSPOSE = {torch.conv_transpose1d: 1, torch.conv_transpose2d: 2, torch.conv_transpose3d: 3,
+                   F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
+_MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm}
+_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
+#: Normalisation functions: their parameters stay float32 in the pure low-precision mode, as under autocast.
+_NORMS = {F.layer_norm, torch.layer_norm, F.batch_norm, torch.batch_norm, F.group_norm, torch.group_norm,
+          F.instance_norm, torch.instance_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)} - {None}
+#: Operations that only reshape, slice or cast a parameter: their results are still "the parameter" for matching
+#: scale points, and their backward passes unscaled gradients through unchanged.
+_VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "float", "half", "bfloat16",
+                 "type", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "chunk", "split",
+                 "narrow", "view_as", "reshape_as", "__getitem__"}
+_VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.flatten, torch.unsqueeze,
+                   torch.squeeze, torch.chunk, torch.split, torch.narrow, operator.getitem}
+_INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                      operator.itruediv: operator.truediv}
+
+
+class TransformError(UserError):
+    """The model cannot be transformed for adaptive loss scaling; the message names what and the fix."""
+
+
+class AdalossGraph(nn.Module):
+    """Registered on a transformed graph as ``adaloss``: the inserted points, and the plan of the graph."""
+
+    def __init__(self, state: ScaleState) -> None:
+        super().__init__()
+        object.__setattr__(self, "state", state)
+        self.points = nn.ModuleList()
+        self.params = nn.ModuleList()
+        self.branches = nn.ModuleList()
+        self.outputs = nn.ModuleList()
+        self.inputs = nn.ModuleList()
+        self.begin: Begin | None = None
+        self.plan: GraphPlan | None = None
+        self._slots = 1
+
+    def new_slot(self) -> int:
+        self._slots += 1
+        return self._slots - 1
+
+    def table_text(self) -> str:
+        """The scale points (name, kind, fan) and branch/join points of this graph as a text table."""
+        lines = [f"adaloss graph: {len(self.points)} scale points, {len(self.branches)} branch/join points, "
+                 f"{len(self.params)} other parameter uses", f"  {'scale point':<36} {'type':<16} {'fan':>7}"]
+        lines += [f"  {p.name:<36} {p.kind:<16} {p.fan:>7}" for p in self.points]
+        lines += [f"  {'branch/join point (value)':<36} {'consumers':>9}"] if len(self.branches) else []
+        lines += [f"  {b.name:<36} {b.fan_out:>9}{' (join)' if b.join else ''}" for b in self.branches]
+        return "\n".join(lines)
+
+
+def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: ScaleState,
+                    names: dict[int, str], buffers: set[int]) -> fx.GraphModule:
+    """Rewrite ``gm`` in place (see the module docstring) and return it. ``names`` maps id(parameter) to its
+    qualified name in the model; ``buffers`` holds the ids of the model's buffers (never cast, never scaled)."""
+    graph = gm.graph
+    params = _parameter_nodes(gm, list(example_inputs), names)
+    buffer_nodes = _buffer_nodes(gm, list(example_inputs), buffers)
+    _refuse_opaque_subgraphs(graph)
+    _functionalize(graph)
+    derived = _parameter_derived(graph, set(params))
+    adaloss = AdalossGraph(state)
+    gm.adaloss = adaloss
+    begin = _insert_begin(gm, adaloss, state)
+    points = _insert_scale_points(gm, adaloss, derived, names_of=_namer(params))
+    uses = _insert_parameter_uses(gm, adaloss, derived, params, points)
+    outputs = _insert_output_points(gm, adaloss, begin)
+    outputs.update(_insert_widening_points(gm, adaloss, begin, derived))
+    inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_nodes)
+    branches = _insert_joins_and_branches(gm, adaloss, begin, derived, state)
+    slot = _assign_slots(graph, adaloss, points, branches, outputs)
+    for node, use in uses.items():
+        use.slot = slot.get(next(iter(node.users)), 0) if node.users else 0
+    for node, point in inputs.items():
+        point.slot = slot.get(node, 0)
+    origin = adaloss.outputs[0].in_slot if len(adaloss.outputs) else 0
+    adaloss.plan = state.add_graph(adaloss._slots, origin, [p.name for p in adaloss.points])
+    adaloss.begin.plan = adaloss.plan
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# -- reading the graph ---------------------------------------------------------------------------------------------
+
+def _example(node: fx.Node) -> Any:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _carries_grad(node: Any) -> bool:
+    """Whether a node's value (or any tensor in it) requires grad, from Dynamo's example values."""
+    value = _example(node)
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
+    return False
+
+
+def _parameter_nodes(gm: fx.GraphModule, examples: list, names: dict[int, str]) -> dict[fx.Node, str]:
+    """Placeholders (and get_attr nodes) that are parameters of the model, with their qualified names."""
+    found: dict[fx.Node, str] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, examples):
+        if isinstance(example, nn.Parameter) and id(example) in names:
+            found[node] = names[id(example)]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if isinstance(value, nn.Parameter) and id(value) in names:
+                found[node] = names[id(value)]
+    return found
+
+
+def _buffer_nodes(gm: fx.GraphModule, examples: list, buffers: set[int]) -> set[fx.Node]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {node for node, example in zip(placeholders, examples) if id(example) in buffers}
+
+
+def _attribute(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _refuse_opaque_subgraphs(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) \
+                and any(_carries_grad(a) for a in node.all_input_nodes):
+            raise TransformError(
+                f"the model's forward contains {node.target.name()!r}, a region torch.compile keeps as a subgraph "
+                "(activation checkpointing, an autocast region inside forward, a cond/scan): adaptive scaling "
+                "cannot route gradient scales through it. Remove it from the forward you train with adaptive "
+                "scaling (e.g. disable activation checkpointing), or use the dynamic method")
+
+
+def _functionalize(graph: fx.Graph) -> None:
+    """Rewrite in-place updates of values that carry gradients out of place, redirecting later uses of the updated
+    value to the new one (inserted points hand out views, which must not be modified in place)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.kwargs.get("inplace") is True:
+            node.kwargs = {**node.kwargs, "inplace": False}
+            _redirect_later_uses(graph, order, node, node.args[0] if node.args else None)
+            continue
+        mutated = _mutated_argument(node)
+        if mutated is None or not _carries_grad(mutated):
+            continue
+        _check_no_views_used_after(order, node, mutated)
+        if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+            node.target = _INPLACE_OPERATORS[node.target]
+        elif node.op == "call_method" and hasattr(torch.Tensor, node.target[:-1]):
+            node.target = node.target[:-1]
+        elif node.op == "call_function" and hasattr(torch, getattr(node.target, "__name__", "_")[:-1]):
+            node.target = getattr(torch, node.target.__name__[:-1])
+        else:  # no out-of-place form (copy_, setitem): update a fresh copy instead
+            with graph.inserting_before(node):
+                copy = graph.call_method("clone", (mutated,))
+            copy.meta["example_value"] = _example(mutated)
+            node.args = (copy,) + tuple(node.args[1:])
+            order[copy] = order[node] - 0.5
+            _redirect_later_uses(graph, order, copy if node.target is operator.setitem else node, mutated, after=node)
+            continue
+        _redirect_later_uses(graph, order, node, mutated)
+
+
+def _mutated_argument(node: fx.Node) -> fx.Node | None:
+    target = node.target
+    if node.op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.endswith("__"):
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
+    if node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        if target in _INPLACE_OPERATORS or target is operator.setitem or (
+                name.endswith("_") and not name.endswith("__") and getattr(target, "__module__", "") == "torch"):
+            first = node.args[0] if node.args else None
+            return first if isinstance(first, fx.Node) else None
+    return None
+
+
+def _redirect_later_uses(graph: fx.Graph, order: dict, new: fx.Node, old: Any, after: fx.Node | None = None) -> None:
+    if not isinstance(old, fx.Node):
+        return
+    position = order[after if after is not None else new]
+    for user in list(old.users):
+        if user is not new and order.get(user, -1) > position:
+            user.replace_input_with(old, new)
+
+
+def _check_no_views_used_after(order: dict, node: fx.Node, mutated: fx.Node) -> None:
+    for user in mutated.users:
+        if order.get(user, 1e18) < order[node] and _is_view(user):
+            if any(order.get(later, -1) > order[node] for later in user.users):
+                raise TransformError(
+                    f"'{node.name}' updates '{mutated.name}' in place after a view of it ('{user.name}') was taken "
+                    "and that view is used afterwards; adaptive scaling rewrites in-place updates out of place and "
+                    "cannot keep such a view in step: update a copy, or take the view after the update")
+
+
+def _is_view(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
+def _parameter_derived(graph: fx.Graph, params: set[fx.Node]) -> set[fx.Node]:
+    """Parameters and what only reshapes, slices or casts them (including the items of a split parameter)."""
+    derived = set(params)
+    for node in graph.nodes:
+        if _is_view(node) and node.args and node.args[0] in derived and not any(
+                _carries_grad(a) for a in node.all_input_nodes if a not in derived):
+            derived.add(node)
+    return derived
+
+
+def _namer(params: dict[fx.Node, str]):
+    """Names for scale points: the module that made the call when it owns the weight, else the parameter's name."""
+    def name_of(node: fx.Node, weight: fx.Node) -> str:
+        root = weight
+        while root not in params and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        param_name = params.get(root, root.name)
+        stack = node.meta.get("nn_module_stack") or {}
+        path = _module_path(list(stack.values())[-1][0]) if stack else ""
+        if path and not param_name.startswith(path + "."):
+            return path  # a module using another's parameter (a tied head): named after the caller
+        for suffix in (".weight", "_weight", ".bias", "_bias"):
+            if param_name.endswith(suffix):
+                return param_name[:-len(suffix)]
+        return param_name
+    return name_of
+
+
+def _module_path(dynamo_path: str) -> str:
+    """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule)."""
+    _, _, rest = dynamo_path.partition("].")
+    return rest if "]" in dynamo_path else dynamo_path
+
+
+# -- inserting points ----------------------------------------------------------------------------------------------
+
+def _insert_begin(gm: fx.GraphModule, adaloss: AdalossGraph, state: ScaleState) -> fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    adaloss.begin = Begin(state, GraphPlan(key=-1, num_slots=1))
+    anchor = placeholders[-1] if placeholders else None
+    with (gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before()):
+        return gm.graph.call_module("adaloss.begin", ())
+
+
+def _insert_scale_points(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set[fx.Node],
+                         names_of: Any) -> dict[fx.Node, ScalePoint]:
+    graph = gm.graph
+    begin = next(n for n in graph.nodes if n.op == "call_module" and n.target == "adaloss.begin")
+    taken: dict[str, int] = {}
+    points: dict[fx.Node, ScalePoint] = {}
+    for node in list(graph.nodes):
+        match = _match_scale_point(node, derived)
+        if match is None:
+            continue
+        factory, x, weight, bias = match
+        name = names_of(node, weight)
+        taken[name] = taken.get(name, 0) + 1
+        if taken[name] > 1:
+            name = f"{name}#{taken[name]}"
+        point = factory(adaloss.state, name)
+        adaloss.points.append(point)
+        with graph.inserting_before(node):
+            new = graph.call_module(f"adaloss.points.{len(adaloss.points) - 1}", (begin, x, weight, bias))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        points[new] = point
+    return points
+
+
+def _arguments(node: fx.Node, names: tuple[str, ...], defaults: tuple) -> list:
+    """node's arguments by position, filled from keywords and then the defaults."""
+    values = list(node.args) + [None] * (len(names) - len(node.args))
+    for i, name in enumerate(names):
+        if i >= len(node.args):
+            values[i] = node.kwargs.get(name, defaults[i])
+    return values
+
+
+def _is_weight(node: Any, derived: set[fx.Node], ndim: int | None = None) -> bool:
+    value = _example(node)
+    return (isinstance(node, fx.Node) and node in derived and isinstance(value, torch.Tensor)
+            and (ndim is None or value.ndim == ndim))
+
+
+def _plain_input(node: Any, derived: set[fx.Node]) -> bool:
+    return isinstance(node, fx.Node) and node not in derived and isinstance(_example(node), torch.Tensor)
+
+
+def _match_scale_point(node: fx.Node, derived: set[fx.Node]):
+    """(point factory, x, weight, bias) when ``node`` is a matrix product or convolution with a parameter
+    operand that a scale point can replace; None otherwise (it stays, and its parameters get parameter uses)."""
+    if node.op == "call_function" and node.target in _LINEAR:
+        x, w, b = _arguments(node, ("input", "weight", "bias"), (None, None, None))
+        if _plain_input(x, derived) and _is_weight(w, derived, 2) and (b is None or _is_weight(b, derived, 1)):
+            shape = _example(w)
+            return (lambda state, name: LinearPoint(state, name, shape)), x, w, b
+        return None
+    if node.op == "call_function" and (node.target in _CONV or node.target in _CONV_TRANSPOSE):
+        return _match_conv(node, derived)
+    if (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
+            node.op == "call_method" and node.target in _MATMUL_METHODS):
+        a, b = (list(node.args) + [node.kwargs.get("other")])[:2]
+        if _is_weight(b, derived, 2) and _plain_input(a, derived) and _example(a).ndim >= 1:
+            shape, ndim = _example(b), _example(a).ndim
+            return (lambda state, name: MatmulPoint(state, name, shape, True, ndim)), a, b, None
+        if _is_weight(a, derived, 2) and _plain_input(b, derived) and _example(b).ndim >= 1:
+            shape, ndim = _example(a), _example(b).ndim
+            return (lambda state, name: MatmulPoint(state, name, shape, False, ndim)), b, a, None
+    return None
+
+
+def _match_conv(node: fx.Node, derived: set[fx.Node]):
+    transposed = node.target in _CONV_TRANSPOSE
+    dims = (_CONV_TRANSPOSE if transposed else _CONV)[node.target]
+    if transposed:
+        x, w, b, stride, padding, output_padding, groups, dilation = _arguments(
+            node, ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation"),
+            (None, None, None, 1, 0, 0, 1, 1))
+    else:
+        x, w, b, stride, padding, dilation, groups = _arguments(
+            node, ("input", "weight", "bias", "stride", "padding", "dilation", "groups"), (None, None, None, 1, 0, 1, 1))
+        output_padding = 0
+    if not (_plain_input(x, derived) and _is_weight(w, derived, dims + 2) and (b is None or _is_weight(b, derived, 1))):
+        return None
+    if (transposed and groups != 1) or any(isinstance(v, fx.Node) for v in (stride, dilation, groups)):
+        return None
+    shape = _example(w)
+    padding = _explicit_padding(padding, shape, dilation, stride, dims)
+    if padding is None:
+        return None
+    tuple_of = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * dims  # noqa: E731
+    options = (tuple_of(stride), padding, tuple_of(dilation), transposed, tuple_of(output_padding), int(groups))
+    return (lambda state, name: ConvPoint(state, name, shape, *options)), x, w, b
+
+
+def _explicit_padding(padding: Any, shape: Any, dilation: Any, stride: Any, dims: int) -> tuple | None:
+    """Integer padding per dimension; 'valid' is 0, 'same' the symmetric padding it means (None when 'same' would
+    need asymmetric padding: that convolution keeps its own backward)."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * dims
+        dil = tuple(dilation) if isinstance(dilation, (tuple, list)) else (int(dilation),) * dims
+        total = [d * (k - 1) for d, k in zip(dil, shape[2:])]
+        if padding != "same" or any(t % 2 for t in total):
+            return None
+        return tuple(t // 2 for t in total)
+    if any(isinstance(v, fx.Node) for v in (padding if isinstance(padding, (tuple, list)) else [padding])):
+        return None
+    return tuple(padding) if isinstance(padding, (tuple, list)) else (int(padding),) * dims
+
+
+def _insert_parameter_uses(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set[fx.Node],
+                           params: dict[fx.Node, str], points: dict[fx.Node, ScalePoint]) -> dict[fx.Node, ParamUse]:
+    """A parameter use before every operation that uses a parameter (or a view of one) and is not a scale point's
+    weight or bias, nor a further view."""
+    graph = gm.graph
+    begin = next(n for n in graph.nodes if n.op == "call_module" and n.target == "adaloss.begin")
+    uses: dict[fx.Node, ParamUse] = {}
+    for value in [n for n in graph.nodes if n in derived and _carries_grad(n)]:
+        for user in list(value.users):
+            if user in derived or (user in points and user.args[1] is not value):
+                continue
+            if user.op == "output":
+                continue
+            use = ParamUse(_root_name(value, params), castable=user.target not in _NORMS)
+            adaloss.params.append(use)
+            with graph.inserting_before(user):
+                node = graph.call_module(f"adaloss.params.{len(adaloss.params) - 1}", (begin, value))
+            node.meta["example_value"] = _example(value)
+            user.replace_input_with(value, node)
+            uses[node] = use
+    return uses
+
+
+def _root_name(node: fx.Node, params: dict[fx.Node, str]) -> str:
+    while node not in params and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return params.get(node, node.name)
+
+
+def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node) -> dict[fx.Node, OutputPoint]:
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    carrying = []
+    fx.node.map_arg(output.args, lambda n: carrying.append(n) if _carries_grad(n) and isinstance(
+        _example(n), torch.Tensor) and _example(n).is_floating_point() and n not in carrying else None)
+    made: dict[fx.Node, OutputPoint] = {}
+    replacement: dict[fx.Node, fx.Node] = {}
+    for i, value in enumerate(carrying):
+        point = OutputPoint(adaloss.state, "output" if len(carrying) == 1 else f"output.{i}")
+        point.in_slot = adaloss.new_slot()
+        adaloss.outputs.append(point)
+        with graph.inserting_before(output):
+            node = graph.call_module(f"adaloss.outputs.{len(adaloss.outputs) - 1}", (begin, value))
+        made[node] = point
+        replacement[value] = node
+    output.args = fx.node.map_arg(output.args, lambda n: replacement.get(n, n))
+    return made
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _insert_widening_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node,
+                            derived: set[fx.Node]) -> dict[fx.Node, OutputPoint]:
+    """An output point (not recorded) on every edge from a low-precision value to an operation that computes in
+    float32: the gradient comes back in float32 and is cast to the low precision there, so it is normalised first."""
+    graph = gm.graph
+    made: dict[fx.Node, OutputPoint] = {}
+    for node in list(graph.nodes):
+        value = _example(node)
+        if node in derived or not (isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION
+                                   and value.requires_grad):
+            continue
+        for user in list(node.users):
+            result = _example(user)
+            if user.op == "output" or str(user.target).startswith("adaloss.") or not (
+                    isinstance(result, torch.Tensor) and result.requires_grad
+                    and result.dtype in (torch.float32, torch.float64)):
+                continue
+            point = OutputPoint(adaloss.state, f"{node.name}:float32", record=False)
+            point.in_slot = adaloss.new_slot()
+            adaloss.outputs.append(point)
+            with graph.inserting_before(user):
+                widened = graph.call_module(f"adaloss.outputs.{len(adaloss.outputs) - 1}", (begin, node))
+            widened.meta["example_value"] = value
+            user.replace_input_with(node, widened)
+            made[widened] = point
+    return made
+
+
+def _insert_input_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node,
+                         skip: set[fx.Node]) -> dict[fx.Node, InputPoint]:
+    graph = gm.graph
+    made: dict[fx.Node, InputPoint] = {}
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n not in skip]:
+        value = _example(node)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            continue
+        point = InputPoint(node.name)
+        adaloss.inputs.append(point)
+        users = list(node.users)
+        with graph.inserting_after(begin):
+            new = graph.call_module(f"adaloss.inputs.{len(adaloss.inputs) - 1}", (begin, node))
+        new.meta["example_value"] = value
+        for user in users:
+            user.replace_input_with(node, new)
+        made[new] = point
+    return made
+
+
+def _gradient_uses(node: fx.Node) -> list[fx.Node]:
+    """The users through which gradients reach ``node``, once per occurrence as an argument."""
+    uses = []
+    for user in node.users:
+        if user.op == "output":
+            continue
+        inserted = user.op == "call_module" and str(user.target).startswith("adaloss.")
+        if not (inserted or _carries_grad(user)):
+            continue
+        hits: list[bool] = []
+        fx.node.map_arg((user.args, user.kwargs), lambda a: hits.append(a is node))
+        uses += [user] * sum(hits)
+    return uses
+
+
+def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node, derived: set[fx.Node],
+                               state: ScaleState) -> dict[fx.Node, BranchPoint]:
+    graph = gm.graph
+    made: dict[fx.Node, BranchPoint] = {}
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "output", "get_attr") or node in derived or node is begin:
+            continue
+        value = _example(node)
+        if isinstance(value, (tuple, list)) and _carries_grad(node):
+            items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem
+                     and _carries_grad(u) and _gradient_uses(u)]
+            if any(isinstance(_example(u), (tuple, list)) for u in items) and len(items) > 1:
+                raise TransformError(
+                    f"'{node.name}' ({node.target}) returns nested outputs that are used separately; adaptive "
+                    "scaling cannot bring their gradients to one scale: use one of its outputs, or another method")
+            if len(items) > 1:
+                made.update(_insert_point(graph, adaloss, state, begin, items, f"{node.name}", join=True))
+    skipped = ("adaloss.branches", "adaloss.begin", "adaloss.params", "adaloss.outputs")
+    for node in list(graph.nodes):
+        if node.op in ("output", "get_attr") or node in derived or str(node.target).startswith(skipped):
+            continue
+        if not isinstance(_example(node), torch.Tensor):
+            continue
+        uses = _gradient_uses(node)
+        if len(uses) > 1 and _carries_grad(node):
+            made.update(_insert_point(graph, adaloss, state, begin, [node], _value_name(gm, node), join=False,
+                                      fan_out=len(uses)))
+    return made
+
+
+def _value_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module" and str(node.target).startswith("adaloss.points."):
+        return gm.get_submodule(node.target).name
+    return node.name
+
+
+def _insert_point(graph: fx.Graph, adaloss: AdalossGraph, state: ScaleState, begin: fx.Node, values: list[fx.Node],
+                  name: str, join: bool, fan_out: int | None = None) -> dict[fx.Node, BranchPoint]:
+    count = len(values) if join else fan_out
+    point = BranchPoint(state, name, count, join=join)
+    point.in_slot = adaloss.new_slot()
+    adaloss.branches.append(point)
+    users_of = {v: _gradient_uses(v) for v in values}
+    anchor = max(values, key=lambda v: list(graph.nodes).index(v))
+    with graph.inserting_after(anchor):
+        node = graph.call_module(f"adaloss.branches.{len(adaloss.branches) - 1}", (begin, *values))
+    copies = []
+    with graph.inserting_after(node):
+        for i in range(count):
+            copies.append(graph.call_function(operator.getitem, (node, i)))
+    for copy, source in zip(copies, values if join else values * count):
+        copy.meta["example_value"] = _example(source)
+    if join:
+        for value, copy in zip(values, copies):
+            for user in set(users_of[value]):
+                if user is not node:
+                    user.replace_input_with(value, copy)
+    else:
+        (value,) = values
+        supply = iter(copies)
+        for user in list(dict.fromkeys(users_of[value])):
+            user.args = fx.node.map_arg(user.args, lambda a: next(supply) if a is value else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: next(supply) if a is value else a)
+    return {node: point}
+
+
+# -- slots ---------------------------------------------------------------------------------------------------------
+
+def _assign_slots(graph: fx.Graph, adaloss: AdalossGraph, points: dict[fx.Node, ScalePoint],
+                  branches: dict[fx.Node, BranchPoint], outputs: dict[fx.Node, OutputPoint]) -> dict[fx.Node, int]:
+    """The slot of each node's output gradient, walking backward from the outputs (slot 0: the loss's scale)."""
+    for point in points.values():
+        point.in_slot = adaloss.new_slot()
+    slot: dict[fx.Node, int] = {}
+    for node in reversed(list(graph.nodes)):
+        if node.op == "output":
+            continue
+        slot[node] = _output_gradient_slot(node, slot, points, branches, outputs)
+        if node in points:
+            points[node].out_slot = slot[node]
+    for node, point in branches.items():
+        copies = sorted((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])
+        point.out_slots = [slot.get(c, 0) for c in copies]
+    for node, point in outputs.items():
+        point.out_slot = slot.get(node, 0)
+    return slot
+
+
+def _output_gradient_slot(node: fx.Node, slot: dict, points: dict, branches: dict, outputs: dict) -> int:
+    for user in node.users:
+        if user in outputs:
+            return outputs[user].in_slot
+        if user in branches:
+            return branches[user].in_slot
+        if user in points:
+            if user.args[1] is node:
+                return points[user].in_slot
+            continue
+        if user.op == "output" or not (_carries_grad(user) or str(user.target).startswith("adaloss.")):
+            continue
+        return slot.get(user, 0)
+    return 0

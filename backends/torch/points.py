@@ -1,0 +1,276 @@
+"""Scale points: the matrix products and convolutions with a parameter operand, each with its own backward.
+
+A scale point computes y = op(x, W, b) in the compute dtype (casting its operands as torch.autocast would) and, in
+backward, gets two factors from the core: s for the input gradient gx = op_x(s * gy, W) and s_w for the weight
+gradient dW = op_w(s_w * gy, x). Each is the largest the method allows without overflow, so the weight gradient, which
+sums over the whole batch, no longer forces the input gradient down with it. The weight and bias gradients leave
+backward divided by their scales, in float32. Each kind below supplies the three products and its statistics axes:
+
+- :class:`LinearPoint`: ``F.linear(x, W, b)``, W (out, in);
+- :class:`ConvPoint`: ``torch.conv{1,2,3}d`` and ``torch.conv_transpose{1,2,3}d`` through ``aten.convolution``;
+- :class:`MatmulPoint`: ``x @ W`` (W on the right, (k, m)) or ``W @ x`` (on the left, (m, k)), W a matrix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS, weight_statistics
+from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
+from adaloss_cli.core.array_ops import ops_for
+from adaloss_cli.core.range_bounds import abs_sum_max
+from adaloss_cli.core.scale_steps import layer_scale_step
+
+from .scale_ops import divide_to, multiply
+from .scale_state import Execution, ScaleState
+
+__all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint"]
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+def _accumulation(t: torch.Tensor) -> torch.dtype:
+    """float32 for low-precision tensors, their own dtype for float32/float64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _no_autocast(device_type: str) -> Any:
+    """Our own casts replace autocast's inside a scale point (so the float32 parameter is what autograd sees)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _ScalePointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "ScalePoint", execution: Execution, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = execution.compute_dtype
+        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        with _no_autocast(x.device.type):
+            y = point.compute(xc, wc, bc)
+        needs_x, needs_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        keep_x = needs_w or (needs_x and point.needs_input_for_input_grad)
+        keep_w = needs_x or (needs_w and point.needs_input_for_input_grad)
+        ctx.save_for_backward(xc if keep_x else None, wc if keep_w else None, weight)
+        ctx.point, ctx.execution = point, execution
+        ctx.shapes = (x.shape, weight.shape)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        point, execution = ctx.point, ctx.execution
+        xc, wc, master = ctx.saved_tensors
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[2:5]
+        with _no_autocast(gy.device.type):
+            grads = point.backward(execution, gy, xc, wc, master, ctx.shapes, needs_x, needs_w, needs_b)
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        gx, gw, gb = grads
+        return (None, None, None if gx is None else gx.to(x_dtype), None if gw is None else gw.to(w_dtype),
+                None if gb is None else gb.to(b_dtype))
+
+
+class ScalePoint(nn.Module):
+    """One matrix product or convolution with a parameter operand (see the module docstring). Subclasses give the
+    arithmetic (:meth:`compute`, :meth:`input_grad`, :meth:`weight_grad`, :meth:`bias_grad`), the fan (products
+    summed into one input-gradient element), ``axes`` ((gy axis, W axis) of the summed dimension) and ``x_axis``
+    (the feature axis of x that a weight-gradient element keeps)."""
+
+    kind = ""
+    #: Whether each gradient's product needs the other operand too (a convolution's backward takes both, for their
+    #: shapes).
+    needs_input_for_input_grad = False
+
+    def __init__(self, state: ScaleState, name: str, fan: int, axes: tuple[int, int], x_axis: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "state", state)
+        self.name, self.fan, self.axes, self.x_axis = name, fan, axes, x_axis
+        self.index = state.register_point(name, self.kind, fan)
+        self.in_slot = self.out_slot = 0
+
+    def forward(self, execution: Execution, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            return _ScalePointFunction.apply(self, execution, x, weight, bias)
+        dtype = execution.compute_dtype
+        with _no_autocast(x.device.type):
+            return self.compute(_cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype))
+
+    def backward(self, execution: Execution, gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
+                 master: torch.Tensor, shapes: tuple, needs_x: bool, needs_w: bool, needs_b: bool) -> tuple:
+        """(gx, gW, gb): plain in the float32 reference pass and in measure-only mode (where the input gradient's
+        underflow is measured on recorded steps); otherwise from the two factors, gW and gb unscaled."""
+        x_shape, w_shape = shapes
+        if execution.reference_pass:
+            gx = self.input_grad(gy, x, x_shape, w) if needs_x else None
+            if gx is not None:
+                self.state.reference[self.name] = gx.detach().float().clone()
+            return (gx, self.weight_grad(gy, x, w_shape, w) if needs_w else None,
+                    self.bias_grad(gy, _accumulation(gy)) if needs_b else None)
+        execution.started_backward()
+        factors = self._factors(execution, gy, x, w, master, needs_w)
+        if factors is None:  # measure-only: the layer's native arithmetic
+            gx = self.input_grad(gy, x, x_shape, w) if needs_x else None
+            gw = self.weight_grad(gy, x, w_shape, w) if needs_w else None
+            gb = self.bias_grad(gy, gy.dtype) if needs_b else None
+        else:
+            factor, weight_factor, weight_scale = factors
+            scaled = multiply(gy, factor) if needs_x or (needs_w and weight_factor is factor) else None
+            gx = self.input_grad(scaled, x, x_shape, w) if needs_x else None
+            gw = None
+            if needs_w:
+                gw_in = scaled if weight_factor is factor else multiply(gy, weight_factor)
+                gw = self.weight_grad(gw_in, x, w_shape, w)
+                gw = divide_to(gw, weight_scale, _accumulation(gw))
+            gb = divide_to(self.bias_grad(gy, _accumulation(gy)), execution.scale_arrays()[0][self.out_slot],
+                           _accumulation(gy)) if needs_b else None
+        if gx is not None and execution.recording:
+            self._record(execution, gx)
+        return gx, gw, gb
+
+    def _factors(self, execution: Execution, gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
+                 master: torch.Tensor, needs_w: bool) -> tuple | None:
+        statistics = x_bound = None
+        options = execution.options
+        if execution.refresh and execution.adaptive:
+            source = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
+            statistics = weight_statistics(source, options, self.axes)
+            if needs_w and options.exact_bounds and x is not None:
+                ops = ops_for(x)
+                with ops.quiet():
+                    x_bound = abs_sum_max(ops, x, self.x_axis)
+        return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, statistics, self.fan,
+                                self.axes, x_bound)
+
+    def _record(self, execution: Execution, gx: torch.Tensor) -> None:
+        """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32
+        reference pass (values below the compute dtype's smallest magnitude at that scale)."""
+        state = self.state
+        scale = execution.scale_arrays()[0][self.in_slot]
+        state.view("in_scale")[self.index] = scale
+        reference = state.reference.pop(self.name, None)
+        if reference is not None and reference.shape == gx.shape:
+            tiny = torch.finfo(gx.dtype).smallest_normal * torch.finfo(gx.dtype).eps
+            state.view("underflow")[self.index] = underflow_fraction(gx, reference, scale, tiny)
+            state.zeroed[self.name] = underflow_fraction(gx, reference)
+
+    # -- the arithmetic, per kind --------------------------------------------------------------------------------
+
+    def compute(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def input_grad(self, gy: torch.Tensor, x: torch.Tensor | None, x_shape: torch.Size, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_grad(self, gy: torch.Tensor, x: torch.Tensor, w_shape: torch.Size,
+                    w: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bias_grad(self, gy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
+
+
+class LinearPoint(ScalePoint):
+    """``F.linear(x, W, b)`` with W (out, in) and x (..., in)."""
+
+    kind = "Linear"
+
+    def __init__(self, state: ScaleState, name: str, weight: torch.Tensor) -> None:
+        super().__init__(state, name, linear_fan(weight.shape[0]), LINEAR_AXES, -1)
+
+    def compute(self, x, w, b):
+        return F.linear(x, w, b)
+
+    def input_grad(self, gy, x, x_shape, w):
+        return (gy @ w).reshape(x_shape)
+
+    def weight_grad(self, gy, x, w_shape, w):
+        return gy.reshape(-1, w_shape[0]).t() @ x.reshape(-1, w_shape[1])
+
+    def bias_grad(self, gy, dtype):
+        return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=dtype)
+
+
+class ConvPoint(ScalePoint):
+    """``aten.convolution``: a convolution (W (out, in / groups, *kernel)) or a transposed one (W (in, out /
+    groups, *kernel), groups 1)."""
+
+    needs_input_for_input_grad = True
+
+    def __init__(self, state: ScaleState, name: str, weight: torch.Tensor, stride: Sequence[int],
+                 padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+                 groups: int) -> None:
+        dims = weight.ndim - 2
+        kernel = tuple(weight.shape[2:])
+        if transposed:
+            fan, axes = weight.shape[1] * math.prod(kernel), (1, 1)
+        else:
+            fan, axes = conv_fan(weight.shape[0], kernel, groups, dims), CONV_AXES
+        self.kind = ("ConvTranspose" if transposed else "Conv") + f"{dims}d"
+        super().__init__(state, name, fan, axes, 1)
+        self.options = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
+
+    def compute(self, x, w, b):
+        return torch.ops.aten.convolution(x, w, b, *self.options)
+
+    def _backward(self, gy, x, w, mask):
+        stride, padding, dilation, transposed, output_padding, groups = self.options
+        return torch.ops.aten.convolution_backward(gy, x, w, None, stride, padding, dilation, transposed,
+                                                   output_padding, groups, mask)
+
+    def input_grad(self, gy, x, x_shape, w):
+        return self._backward(gy, x, w, [True, False, False])[0]
+
+    def weight_grad(self, gy, x, w_shape, w):
+        return self._backward(gy, x, w, [False, True, False])[1]
+
+    def bias_grad(self, gy, dtype):
+        return gy.sum(dim=[0, *range(2, gy.ndim)], dtype=dtype)
+
+
+class MatmulPoint(ScalePoint):
+    """``x @ W`` (``right``, W (k, m)) or ``W @ x`` (W (m, k)), W a matrix, x of any rank >= 1."""
+
+    kind = "Matmul"
+
+    def __init__(self, state: ScaleState, name: str, weight: torch.Tensor, right: bool, x_ndim: int) -> None:
+        self.right = right
+        if right:
+            super().__init__(state, name, weight.shape[1], (-1, 1), -1)
+        else:
+            vector = x_ndim == 1
+            super().__init__(state, name, weight.shape[0], (-1, 0) if vector else (-2, 0), -1 if vector else -2)
+
+    def compute(self, x, w, b):
+        return torch.matmul(x, w) if self.right else torch.matmul(w, x)
+
+    def input_grad(self, gy, x, x_shape, w):
+        if self.right:
+            return (gy.unsqueeze(0) @ w.t()).squeeze(0) if gy.ndim == 1 else gy @ w.t()
+        if len(x_shape) == 1:
+            return w.t() @ gy
+        return (w.t() @ gy).reshape(x_shape)
+
+    def weight_grad(self, gy, x, w_shape, w):
+        if self.right:
+            return x.reshape(-1, w_shape[0]).t() @ gy.reshape(-1, w_shape[1])
+        if x.ndim == 1:
+            return torch.outer(gy, x)
+        return gy.movedim(-2, 0).reshape(w_shape[0], -1) @ x.movedim(-2, 0).reshape(w_shape[1], -1).t()
+
+    def bias_grad(self, gy, dtype):
+        raise RuntimeError("a matmul point has no bias")

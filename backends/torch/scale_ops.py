@@ -1,0 +1,285 @@
+"""The nodes the graph transform inserts, as autograd Functions: scale points, parameter uses, branches, joins,
+output and input points.
+
+Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1), kept in the scale
+table of its execution (``scale_state.py``); the transform fixes statically which slot each node reads and writes.
+
+- A *scale point* replaces a matrix product or convolution with a parameter operand (``points.py`` holds each
+  kind's arithmetic). Its backward takes the layer's output gradient gy (scale A), asks the core
+  (``adaloss_cli.core.scale_steps``) for two factors, computes the input gradient from s * gy (it carries A * s) and
+  the weight gradient from s_w * gy (at A * s_w, bounded so that it cannot overflow), and returns the weight and bias
+  gradients already divided by their scales in float32: every *use* of a parameter leaves backward unscaled, before
+  autograd adds uses together (tied weights, a module called twice).
+- A *parameter use* sits between a parameter and any other operation that uses it (a norm's weight, a class token,
+  a position embedding, an embedding table): its backward divides the gradient by the scale of that use.
+- A *branch* gives each consumer of a value its own copy and brings their gradients to one scale before they are
+  summed (DESIGN.md 2.3); a *join* does the same for the outputs of one operation that are used separately
+  (``qkv.split``), whose gradients the operation's backward takes together.
+- An *output point* gives the loss gradient at a model output a factor of its own before it meets the model's
+  low precision; an *input point* hands gradients of the model's inputs back at the loss's scale.
+
+Under ``torch.autocast`` (or the pure low-precision mode) a scale point casts its operands itself, as autocast would,
+so that it keeps the float32 parameter and returns its gradient in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.array_ops import host_view
+from adaloss_cli.core.scale_steps import branch_scale_step, output_scale_step
+
+from .scale_state import Execution, GraphPlan, ScaleState
+
+__all__ = ["Begin", "BranchPoint", "InputPoint", "JoinPoint", "OutputPoint", "ParamUse", "multiply"]
+
+
+def multiply(g: torch.Tensor, factor: Any, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """g times a factor from the core, formed in float32 and rounded once to g's dtype (never the factor cast to
+    g's dtype: 2**16 would become inf and 3 * 2**-25 zero in fp16). A host factor of 1, or None, returns g itself.
+
+    A device factor (0-d float32 tensor) goes through torch's fused GradScaler kernel, which multiplies in float32
+    by construction; ``scratch`` receives its non-finite flag (ignored here: overflow is checked on the parameter
+    gradients)."""
+    if factor is None:
+        return g
+    if isinstance(factor, torch.Tensor):
+        if g.dtype == torch.float32:
+            return g * factor
+        out = g.clone()
+        flag = scratch if scratch is not None else torch.zeros(1, device=g.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([out], flag, factor.reshape(1))
+        return out
+    value = float(factor)
+    return g if value == 1.0 else g * value
+
+
+def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
+    """g / scale computed in float32 (float64 stays float64), returned in ``dtype`` (parameter gradients leave
+    backward unscaled)."""
+    g = g if g.dtype in (torch.float32, torch.float64) else g.float()
+    if isinstance(scale, torch.Tensor):
+        g = g / scale
+    elif float(scale) != 1.0:
+        g = g / float(scale)
+    return g if g.dtype == dtype else g.to(dtype)
+
+
+class Begin(nn.Module):
+    """The first node of a transformed graph: starts an execution (its own scale table) and fixes its compute
+    dtype from the autocast state (or the scaler's pure low-precision mode)."""
+
+    def __init__(self, state: ScaleState, plan: GraphPlan) -> None:
+        super().__init__()
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "plan", plan)
+
+    def forward(self) -> Execution:
+        state = self.state
+        execution = state.begin(self.plan)
+        if not execution.reference_pass:
+            device_type = state.device.type
+            if torch.is_autocast_enabled(device_type):
+                execution.compute_dtype = torch.get_autocast_dtype(device_type)
+            elif state.pure_dtype is not None:
+                execution.compute_dtype, execution.pure = state.pure_dtype, True
+        return execution
+
+
+class _ParamUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "ParamUse", execution: Execution, p: torch.Tensor) -> torch.Tensor:
+        ctx.point, ctx.execution, ctx.dtype = point, execution, p.dtype
+        return _pure_cast(execution, p) if point.castable and execution.pure else p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        execution = ctx.execution
+        if execution.reference_pass or not execution.adaptive:
+            return None, None, g.to(ctx.dtype)
+        execution.started_backward()
+        return None, None, divide_to(g, execution.scale_arrays()[0][ctx.point.slot], ctx.dtype)
+
+
+class ParamUse(nn.Module):
+    """Between a parameter and one operation that is not a scale point: the gradient of that use is divided by the
+    scale it carries (the slot of the operation's output gradient), in float32. ``castable``: in the pure
+    low-precision mode the parameter is cast to the compute dtype here (normalisation weights stay float32)."""
+
+    def __init__(self, name: str, castable: bool) -> None:
+        super().__init__()
+        self.name, self.castable = name, castable
+        self.slot = 0
+
+    def forward(self, execution: Execution, p: torch.Tensor) -> torch.Tensor:
+        if not p.requires_grad or not torch.is_grad_enabled():
+            return _pure_cast(execution, p) if self.castable and execution.pure else p
+        return _ParamUse.apply(self, execution, p)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: slot {self.slot}"
+
+
+class _Branch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "BranchPoint", execution: Execution, x: torch.Tensor):
+        ctx.point, ctx.execution = point, execution
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for _ in range(point.fan_out))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, ctx.point.merge(ctx.execution, grads, summed=True)
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "BranchPoint", execution: Execution, *xs: torch.Tensor):
+        ctx.point, ctx.execution = point, execution
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, *ctx.point.merge(ctx.execution, grads, summed=False)
+
+
+class BranchPoint(nn.Module):
+    """Where a value feeds several consumers (a branch), or where several outputs of one operation are used
+    separately (a join): their gradients are brought to one common scale (DESIGN.md 2.3), which is written to
+    ``in_slot``; a branch then sums them, a join hands each back to the operation's backward."""
+
+    def __init__(self, state: ScaleState, name: str, fan_out: int, join: bool = False) -> None:
+        super().__init__()
+        object.__setattr__(self, "state", state)
+        self.name, self.fan_out, self.join = name, fan_out, join
+        self.in_slot = 0
+        self.out_slots: list[int] = []
+
+    def forward(self, execution: Execution, *xs: torch.Tensor):
+        if not torch.is_grad_enabled():
+            return xs if self.join else tuple(xs[0] for _ in range(self.fan_out))
+        if self.join:
+            return _Join.apply(self, execution, *xs)
+        return _Branch.apply(self, execution, xs[0])
+
+    def merge(self, execution: Execution, grads: tuple, summed: bool) -> Any:
+        """The incoming gradients at a common scale: their sum (branch) or each of them (join)."""
+        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return None if summed else grads
+        tensors = [g for _, g in present]
+        multipliers = None
+        if not execution.reference_pass:
+            execution.started_backward()
+            multipliers = branch_scale_step(execution, self.in_slot, tensors,
+                                            [self.out_slots[i] for i, _ in present],
+                                            host_view(self.state.cache(self.name)))
+        if multipliers is not None:
+            tensors = [multiply(g, m) for g, m in zip(tensors, multipliers)]
+        if summed:
+            total = tensors[0]
+            for t in tensors[1:]:
+                total = total + t
+            return total
+        out = list(grads)
+        for (i, _), t in zip(present, tensors):
+            out[i] = t
+        return tuple(out)
+
+    def extra_repr(self) -> str:
+        kind = "join" if self.join else "branch"
+        return f"{self.name}: {kind} of {self.fan_out}, slots {self.out_slots}->{self.in_slot}"
+
+
+class _Output(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "OutputPoint", execution: Execution, y: torch.Tensor) -> torch.Tensor:
+        ctx.point, ctx.execution, ctx.dtype = point, execution, y.dtype
+        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        execution, point = ctx.execution, ctx.point
+        if execution.reference_pass:
+            return None, None, g.to(ctx.dtype)
+        execution.started_backward()
+        factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype, point.cache_view())
+        scaled = multiply(g, factor)
+        cast = scaled.to(ctx.dtype)
+        if point.record and execution.recording:
+            point.state.output_records[point.name] = underflow_fraction(cast, scaled)
+        return None, None, cast
+
+
+class OutputPoint(nn.Module):
+    """Where a low-precision value widens to float32 and carries gradients: forward returns it as float32; backward
+    scales the incoming float32 gradient by a factor chosen from its own extremes before it is cast back to the low
+    precision, where it would otherwise underflow or overflow.
+
+    On a model output (``record``: its cast's underflow is measured on recorded steps) the incoming gradient is the
+    loss gradient (slot 0). Inside the model the same happens wherever an operation computes in float32 from a
+    low-precision input (autocast's float32 ops: layer norm, softmax; a residual stream kept in float32): their
+    backward can amplify a gradient beyond fp16's range before it is cast back (a layer norm divides by the
+    standard deviation), which this point catches first (``out_slot``: the scale of that operation's gradient)."""
+
+    def __init__(self, state: ScaleState, name: str, record: bool = True) -> None:
+        super().__init__()
+        object.__setattr__(self, "state", state)
+        self.name, self.record = name, record
+        self.in_slot = self.out_slot = 0
+
+    def cache_view(self) -> Any:
+        return self.state.cache_view(self.name)
+
+    def forward(self, execution: Execution, y: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and y.requires_grad):
+            return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
+        return _Output.apply(self, execution, y)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: slots {self.out_slot}->{self.in_slot}"
+
+
+class _Input(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: "InputPoint", execution: Execution, x: torch.Tensor) -> torch.Tensor:
+        ctx.point, ctx.execution, ctx.dtype = point, execution, x.dtype
+        return _pure_cast(execution, x) if execution.pure else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        execution = ctx.execution
+        if execution.reference_pass or not execution.adaptive:
+            return None, None, g
+        execution.started_backward()
+        table = execution.scale_arrays()[0]
+        return None, None, divide_to(g, table[ctx.point.slot] / table[0], ctx.dtype)
+
+
+def _pure_cast(execution: Execution, x: torch.Tensor) -> torch.Tensor:
+    dtype = execution.compute_dtype
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x.view_as(x)
+
+
+class InputPoint(nn.Module):
+    """On a floating-point model input: in the pure low-precision mode it is cast to the compute dtype here; when it
+    carries gradients (an upstream model's output, or the data on recorded steps), its gradient leaves at the
+    loss's scale, as the caller expects, computed in float32. Integer inputs (token ids) are never cast."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.slot = 0
+
+    def forward(self, execution: Execution, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return _pure_cast(execution, x) if execution.pure else x
+        return _Input.apply(self, execution, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: slot {self.slot}"
