@@ -7,9 +7,10 @@ forward; the persistent per-layer objects (:class:`ScalePoint`, :class:`BranchPo
 slots they write, and the routing (``transform.route``) tells each node, after the forward and before the backward,
 which slot its incoming gradient's scale is in. At run time nodes only index the table: no device-to-host read.
 
-- ``_ScaleNode`` follows a Linear/Convolution2D: its backward reads A of the layer's output gradient gy, computes the
-  layer's factor s with the shared core math (``adaloss_cli.core.adaptive``), writes A * s to the layer's input slot
-  and returns s * gy, so the layer's own backward computes gx and its weight gradient from the scaled gy.
+- ``_ScaledNode`` is a Linear/Convolution2D's own function node: its backward reads A of the layer's output gradient
+  gy, gets two factors from the shared core (``adaloss_cli.core.scale_steps``), computes gx from s * gy (it carries
+  A * s, written to the layer's input slot) and the weight and bias gradients from s_w * gy (at A * s_w, written to
+  the layer's weight slot, by which the scaler divides them).
 - ``_MeasureNode`` precedes it on recorded steps only: it measures how many elements of gx are zero where the same
   backward in float32, unscaled, gave a non-zero value.
 - ``_BranchNode`` is what a bound :class:`Fork` applies: each consumer gets its own output, and their gradients are
@@ -26,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import (EXACT_WEIGHT_METHODS, AdaptiveOptions, branch_scale_step, layer_scale_step,
-                                       output_scale_step)
+from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS, AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.array_ops import ops_for
+from adaloss_cli.core.range_bounds import abs_sum_max
+from adaloss_cli.core.scale_steps import branch_scale_step, layer_scale_step, output_scale_step
 from adaloss_cli.core.scale_schedule import ScaleSchedule
 
 from ._compat import import_chainer
@@ -53,6 +56,16 @@ def is_host_one(factor: Any) -> bool:
     return isinstance(factor, _HOST_ARRAYS) and float(factor) == 1.0
 
 
+def multiply(g: Any, factor: Any) -> Any:
+    """g times a factor from the core, formed in float32 and rounded once to g's dtype: never the factor cast to
+    g's dtype (2**16 is inf and 3 * 2**-25 a different number in fp16). A host factor of 1 returns g itself."""
+    if factor is None or is_host_one(factor):
+        return g
+    if g.dtype.itemsize >= 4:  # float32/float64: the product is exact in g's own dtype
+        return g * factor.astype(g.dtype) if hasattr(factor, "astype") else g * factor
+    return (g.astype(np.float32) * factor).astype(g.dtype)
+
+
 class ScaleState(ScaleSchedule):
     """Shared state of one transformed model: the scale table and the per-point factors and measurements.
 
@@ -69,8 +82,12 @@ class ScaleState(ScaleSchedule):
         self.call_order: list[int] = []   # scale points in the order the forward first called them
         self._called: set[int] = set()
         self.table = xp.full((num_slots,), init_scale, dtype=np.float32)
-        self.unbound = xp.ones((max(num_points, 1),), dtype=np.float32)
-        self.factor = xp.ones((max(num_points, 1),), dtype=np.float32)
+        size = (max(num_points, 1),)
+        self.unbound = xp.ones(size, dtype=np.float32)
+        self.factor = xp.ones(size, dtype=np.float32)
+        self.weight_unbound = xp.full(size, np.inf, dtype=np.float32)
+        self.weight_factor = xp.ones(size, dtype=np.float32)
+        self.weight_scale = xp.full(size, init_scale, dtype=np.float32)
         self.underflow = xp.full((max(num_points, 1),), np.nan, dtype=np.float32)
         self.output_factor = xp.ones((), dtype=np.float32)
         self.output_underflow = xp.full((), np.nan, dtype=np.float32)
@@ -105,22 +122,26 @@ class ScaleState(ScaleSchedule):
     def to_device(self, xp: Any, put: Any) -> None:
         """Move every array with ``put`` (a function array -> array on the new device)."""
         self.xp = xp
-        for name in ("table", "unbound", "factor", "underflow", "output_factor", "output_underflow"):
+        for name in ("table", "unbound", "factor", "weight_unbound", "weight_factor", "weight_scale", "underflow",
+                     "output_factor", "output_underflow"):
             setattr(self, name, put(getattr(self, name)))
         self.branch_common = {i: put(a) for i, a in self.branch_common.items()}
 
     def state_dict_values(self) -> dict[str, Any]:
         """The per-layer state a checkpoint must hold (as NumPy arrays) and the iteration counter."""
         host = chainer.backend.CpuDevice().send
-        return {"iteration": self.iteration, "table": np.array(host(self.table)),
-                "unbound": np.array(host(self.unbound)), "factor": np.array(host(self.factor)),
+        return {"iteration": self.iteration, "headroom": self.headroom, "table": np.array(host(self.table)),
+                **{name: np.array(host(getattr(self, name))) for name in _POINT_ARRAYS},
                 "output_factor": np.array(host(self.output_factor)),
                 "branch_common": {i: np.array(host(a)) for i, a in self.branch_common.items()}}
 
     def load_state_values(self, values: dict[str, Any]) -> None:
         """Restore :meth:`state_dict_values` (shapes must match: the same model)."""
         self.iteration = int(values["iteration"])
-        for name in ("table", "unbound", "factor"):
+        self.headroom = float(values.get("headroom", 1.0))
+        for name in ("table", *_POINT_ARRAYS):
+            if name not in values:  # a checkpoint from before the weight gradient's own factor
+                continue
             target = getattr(self, name)
             source = np.asarray(values[name], dtype=np.float32)
             if source.shape != target.shape:
@@ -135,60 +156,94 @@ class ScaleState(ScaleSchedule):
         self.mark_stale()
 
 
+#: Per-point arrays of the state, after the table (see ScaleSchedule.scale_arrays).
+_POINT_ARRAYS = ("unbound", "factor", "weight_unbound", "weight_factor", "weight_scale")
+
+
 class ScalePoint:
-    """A Linear/Convolution2D link's persistent scale-point record: its index, slot, fan and weight parameter."""
+    """A Linear/Convolution2D link's persistent scale-point record: its index, slots, fan and weight parameter.
+
+    ``weight_slot`` holds the scale its weight and bias gradients were computed at (the scaler divides them by it).
+    """
 
     def __init__(self, state: ScaleState, index: int, name: str, kind: str, fan: int, axes: tuple[int, int],
-                 in_slot: int, parameter: Any = None) -> None:
+                 in_slot: int, parameter: Any = None, weight_slot: int | None = None) -> None:
         self.state, self.index, self.name, self.kind, self.fan, self.axes = state, index, name, kind, fan, axes
         self.in_slot = in_slot
+        self.weight_slot = in_slot if weight_slot is None else weight_slot
         self.parameter = parameter
 
-    def scale_gradient(self, gy: Any, weight: Any, out_slot: int) -> Any:
-        """gy (scale A) -> s * gy (scale A * s); records A * s in the layer's input slot. ``weight`` (used on
-        refresh iterations) is the weight's array; None takes the link's parameter (the float32 master)."""
+    def factors(self, gy: Any, weight: Any, x: Any, out_slot: int) -> tuple[Any, Any]:
+        """(s, s_w) for gy (scale A): the input gradient is computed from s * gy (A * s is written to the layer's
+        input slot), the weight and bias gradients from s_w * gy (A * s_w to its weight slot). ``weight`` (used on
+        refresh iterations) is the weight's array, None for the link's parameter (the float32 master); ``x`` the
+        layer input, for the exact bound on the weight gradient."""
         state = self.state
         if state.reference_pass:
-            return gy
-        if weight is None and state.refresh:
-            weight = self.parameter.array
-        factor = layer_scale_step(state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes)
-        if factor is None or is_host_one(factor):
-            return gy
-        return gy * factor.astype(gy.dtype)
+            return None, None
+        options = state.options
+        x_bound = None
+        if state.refresh and state.adaptive:
+            if weight is None:
+                weight = self.parameter.array
+            if options.exact_bounds and x is not None:
+                ops = ops_for(x)
+                with ops.quiet():
+                    x_bound = abs_sum_max(ops, x, 1)
+        result = layer_scale_step(state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes,
+                                  x_bound)
+        if result is None:  # measure-only: the weight gradient carries the incoming scale
+            state.table[self.weight_slot] = state.table[out_slot]
+            return None, None
+        factor, weight_factor, weight_scale = result
+        state.table[self.weight_slot] = weight_scale
+        return factor, weight_factor
 
     def observe(self, gx: Any) -> None:
-        """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow."""
+        """Reference pass: keep gx (float32, unscaled). Recorded pass: the share of gx lost to underflow at its
+        scale (values a low-precision forward zeroed differently are not counted, see ``underflow_fraction``)."""
         state = self.state
         if state.reference_pass:
             state.reference[self.index] = gx.astype(np.float32, copy=True)
         elif state.recording:
             reference = state.reference.pop(self.index, None)
             if reference is not None:
-                state.underflow[self.index] = underflow_fraction(gx, reference)
+                tiny = float(np.finfo(gx.dtype).smallest_subnormal)
+                state.underflow[self.index] = underflow_fraction(gx, reference, state.table[self.in_slot], tiny)
 
     def __repr__(self) -> str:
         return f"ScalePoint({self.name}: {self.kind}, fan={self.fan}, slot {self.in_slot})"
 
 
 class _ScaledNode:
-    """Mixin for a layer's own FunctionNode (linear, convolution): its backward first multiplies gy by the layer's
-    factor, then computes the layer's gradients from the scaled gy. One node per layer instead of two: Chainer's
-    per-node cost is a large share of a small model's step."""
+    """Mixin for a layer's own FunctionNode (linear, convolution): its backward computes the input gradient from
+    s * gy and the weight and bias gradients from s_w * gy, with the layer's own backward. One node per layer instead
+    of two: Chainer's per-node cost is a large share of a small model's step."""
 
     point: ScalePoint
     out_slot: int
 
     def backward(self, indexes, grad_outputs):
         (gy,) = grad_outputs
-        if gy is not None:
-            # The low-precision weight computed with, for methods that need its exact values; approx_range reads
-            # the link's parameter, as the PyTorch backend does (see EXACT_WEIGHT_METHODS).
-            options = self.point.state.options
-            exact = options is not None and options.method in EXACT_WEIGHT_METHODS
-            weight = self.get_retained_inputs()[1].array if exact else None
-            gy = _variable(self.point.scale_gradient(gy.array, weight, self.out_slot))
-        return super().backward(indexes, (gy,))
+        if gy is None:
+            return super().backward(indexes, grad_outputs)
+        # The low-precision weight computed with, for methods that need its exact values; approx_range reads the
+        # link's parameter, as the PyTorch backend does (see EXACT_WEIGHT_METHODS).
+        options = self.point.state.options
+        retained = self.get_retained_inputs()
+        exact = options is not None and options.method in EXACT_WEIGHT_METHODS
+        factor, weight_factor = self.point.factors(gy.array, retained[1].array if exact else None,
+                                                   retained[0].array, self.out_slot)
+        if weight_factor is factor:
+            return super().backward(indexes, (_variable(multiply(gy.array, factor)),))
+        grads = {}
+        inputs = [i for i in indexes if i == 0]
+        params = [i for i in indexes if i != 0]
+        if inputs:
+            grads.update(zip(inputs, super().backward(inputs, (_variable(multiply(gy.array, factor)),))))
+        if params:
+            grads.update(zip(params, super().backward(params, (_variable(multiply(gy.array, weight_factor)),))))
+        return tuple(grads[i] for i in indexes)
 
 
 class _ScaledLinearFunction(_ScaledNode, LinearFunction):
@@ -265,10 +320,7 @@ class BranchPoint:
                                         state.branch_cache(self.index))
         if multipliers is None:
             return _sum(tensors)
-        total = tensors[0] * multipliers[0].astype(tensors[0].dtype)
-        for g, m in zip(tensors[1:], multipliers[1:]):
-            total = total + g * m.astype(g.dtype)
-        return total
+        return _sum([multiply(g, m) for g, m in zip(tensors, multipliers)])
 
     def __repr__(self) -> str:
         return f"BranchPoint({self.name}: {self.fan_out} consumers, slot {self.in_slot})"
@@ -336,10 +388,7 @@ class OutputPoint:
         if state.reference_pass:
             return g.astype(dtype)
         factor = output_scale_step(state, self.in_slot, out_slot, g, dtype, state.output_factor)
-        if factor is None or is_host_one(factor):
-            cast = g.astype(dtype, copy=False)
-        else:
-            cast = (g * factor).astype(dtype, copy=False)
+        cast = multiply(g, factor).astype(dtype, copy=False)
         if state.recording:
             state.output_underflow[...] = underflow_fraction(cast, g)
         return cast

@@ -193,6 +193,8 @@ class LossScaler:
         retry = self.last_action is StepAction.RETRY
         self._attempt = self._attempt + 1 if retry else 0
         self.state.finish_iteration(retry)
+        if self.state.adaptive:
+            self.state.set_headroom(self.policy.headroom)
 
     @property
     def should_retry(self) -> bool:
@@ -234,21 +236,23 @@ class LossScaler:
         xp = state.xp
         index = xp.asarray(np.array([p.index for p in points], dtype=np.int64))
         slots = xp.asarray(np.array([p.in_slot for p in points], dtype=np.int64))
+        weight_slots = xp.asarray(np.array([p.weight_slot for p in points], dtype=np.int64))
         n = len(points)
         ones = xp.ones((n,), dtype=np.float32)
         columns = [state.unbound[index] if state.adaptive else ones, state.factor[index] if state.adaptive else ones,
-                   state.table[slots], state.underflow[index]]
+                   state.table[slots], state.underflow[index], state.table[weight_slots]]
         names = [p.name for p in points]
         if state.output_used:
             out = links.output
-            head = [state.output_factor, state.output_factor, state.table[out.in_slot], state.output_underflow]
+            head = [state.output_factor, state.output_factor, state.table[out.in_slot], state.output_underflow,
+                    xp.full((), np.nan, dtype=np.float32)]  # the output has no weight gradient
             columns = [xp.concatenate([xp.reshape(h, (1,)), c]) for h, c in zip(head, columns)]
             names.insert(0, out.name)
         if not names:
             return []
         rows = chainer.backend.CpuDevice().send(xp.stack(columns)).tolist()
-        return [LayerRecord(layer=name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf)
-                for name, u, f, a, uf in zip(names, *rows)]
+        return [LayerRecord(layer=name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf,
+                            weight_scale=w) for name, u, f, a, uf, w in zip(names, *rows)]
 
     # -- state --------------------------------------------------------------------------------------------------------
 
@@ -263,3 +267,5 @@ class LossScaler:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
         self.state.load_state_values(state["layers"])
+        if self.state.adaptive:
+            self.state.set_headroom(self.policy.headroom)

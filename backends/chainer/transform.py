@@ -196,14 +196,14 @@ def transform_links(model: Any, options: AdaptiveOptions | None = None, init_sca
                 "links, or use another loss-scaling method")
     xp = chainer.backend.get_array_module(*[p.array for p in model.params() if p.array is not None] or [np.zeros(0)])
     slots = itertools.count(1)
-    points_spec = [(name, link, next(slots)) for name, link in scale_links]
+    points_spec = [(name, link, next(slots), next(slots)) for name, link in scale_links]
     output_slot = next(slots)
     forks_spec = [(name, link, next(slots)) for name, link in forks]
     state = ScaleState(xp, next(slots), len(points_spec), options, init_scale, origin_slot=output_slot)
     points = []
-    for index, (name, link, slot) in enumerate(points_spec):
+    for index, (name, link, slot, weight_slot) in enumerate(points_spec):
         kind, fan, axes = _fan_and_axes(link)
-        point = ScalePoint(state, index, name, kind, fan, axes, slot, link.W)
+        point = ScalePoint(state, index, name, kind, fan, axes, slot, link.W, weight_slot)
         link.__class__ = _SCALED[type(link)]
         link.adaloss_point = point
         points.append(point)
@@ -247,6 +247,7 @@ def route(links: AdalossLinks, loss: "chainer.Variable") -> dict[int, int]:
         _, _, fn = heapq.heappop(heap)
         outs = [ref() for ref in fn.outputs]
         out_slots = [None if o is None else slot_of.get(id(o)) for o in outs]
+        input_slots = None
         if isinstance(fn, SCALE_NODES):
             fn.out_slot = out_slots[0] if out_slots[0] is not None else 0
             if seen_points.setdefault(fn.point.index, fn) is not fn:
@@ -254,6 +255,8 @@ def route(links: AdalossLinks, loss: "chainer.Variable") -> dict[int, int]:
                     f"layer '{fn.point.name}' is called twice in one forward; adaptive scaling needs each "
                     "Linear/Convolution2D link used once per backward (untie the weights, or use another method)")
             in_slot = fn.point.in_slot
+            # The weight and bias gradients are computed at the layer's weight-gradient scale.
+            input_slots = [in_slot] + [fn.point.weight_slot] * (len(fn.inputs) - 1)
         elif isinstance(fn, _BranchNode):
             fn.out_slots = out_slots
             in_slot = fn.point.in_slot
@@ -269,7 +272,9 @@ def route(links: AdalossLinks, loss: "chainer.Variable") -> dict[int, int]:
             if not known:
                 continue
             in_slot = known.pop()
-        for vnode in fn.inputs:
+        for position, vnode in enumerate(fn.inputs):
+            if input_slots is not None:
+                in_slot = input_slots[position]
             if not vnode.requires_grad:
                 continue
             key = id(vnode)
