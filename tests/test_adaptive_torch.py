@@ -257,7 +257,7 @@ def test_an_optimizer_built_before_the_scaler_trains_the_model():
         scaler.scale(loss).backward()
         assert scaler.step(optimizer)
         scaler.update()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
 
 

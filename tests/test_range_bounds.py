@@ -155,3 +155,18 @@ def test_adaptive_overflow_policy_backs_off_grows_back_and_retries_when_asked():
     restored = AdaptiveGlobal()
     restored.load_state_dict(policy.state_dict())
     assert restored.headroom == policy.headroom and restored.skipped_steps == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_underflow_counts_what_underflow_destroys_and_nothing_else(backend):
+    """At scale 2**10 in fp16 (smallest normal 2**-14): a value below the normal range that came out zero or off by
+    more than half is lost; a small value that came out right, a large value zeroed by a forward mismatch (a ReLU
+    decision), and a zero reference are not."""
+    from adaloss_cli.core.adaptive_stats import underflow_fraction
+    scale = 2.0 ** 10
+    reference = np.array([1e-12, 3e-9, 2e-6, 1.0, 0.0, 5e-9], np.float32)
+    low = np.array([0.0, 3e-9 * scale, 2e-6 * scale, 0.0, 0.0, 4e-5], np.float16)  # 4e-5 is noise, not 5e-9 * 2**10
+    got = on(backend, lambda to: underflow_fraction(to(low), to(reference), scale, 2.0 ** -14))
+    assert got == pytest.approx(2 / 6)  # 1e-12 (flushed) and 5e-9 (wrong by far more than half)
+    raw = on(backend, lambda to: underflow_fraction(to(low), to(reference)))
+    assert raw == pytest.approx(2 / 6)  # the old count: 1e-12 and the ReLU mismatch 1.0

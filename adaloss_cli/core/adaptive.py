@@ -208,11 +208,16 @@ def _max_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: A
                u_min: float, u_max: float) -> tuple[Any, Any]:
     """The largest factor that keeps s * gy and gx = (s * gy) . W below u_max / 2, from the exact bound
     max|gx| <= max|gy| * sum|W| (range_bounds.py): every gradient as far from underflow as the range allows, with
-    one power of two of margin for rounding. May be below 1 (a gradient that arrives too large is scaled down)."""
+    one power of two of margin for rounding.
+
+    A gradient that arrives too large for that is scaled down only as far as the range requires (below u_max
+    itself, which the exact bound makes safe), not to u_max / 2: every halving drops the values that sit at the
+    smallest subnormal, and a deep network would otherwise halve and double back at alternate layers."""
     sops = ops.scalars
     c = sops.const
     (w_bound,) = ws.values
-    return c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(w_bound, c(1.0))), None
+    s = c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(w_bound, c(1.0)))
+    return sops.where(s < c(1.0), sops.minimum(s * c(2.0), c(1.0)), s), None
 
 
 def _abs_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,

@@ -217,13 +217,19 @@ def element_wise_extremes_from(ops: Float32Ops, gy: Any, axis: int, w_extremes: 
     return ops.array(lo), ops.array(hi)
 
 
-def underflow_fraction(low_precision_grad: Any, reference_grad: Any, scale: Any = None, tiny: float | None = None) -> Any:
-    """Share of all elements that are zero in the low-precision result but non-zero in the fp32 reference.
+def underflow_fraction(low_precision_grad: Any, reference_grad: Any, scale: Any = None,
+                       smallest_normal: float | None = None) -> Any:
+    """Share of all elements lost to underflow in the low-precision gradient, against the float32 reference.
 
-    With ``scale`` and ``tiny`` (the low-precision dtype's smallest magnitude), only elements whose reference value
-    times the gradient's scale falls below ``tiny`` count: values lost to underflow, not values a low-precision
-    forward pass zeroed differently (a ReLU or max-pool decision that differs from float32's), which no loss scale
-    can change. ``scale`` may be a 0-d device array (no host read).
+    Without ``scale``: elements that are zero in the low-precision result but non-zero in the reference.
+
+    With ``scale`` (the low-precision gradient's scale, a number or a 0-d device array: no host read) and
+    ``smallest_normal`` (of the low-precision dtype): elements whose reference value, at that scale, lies below the
+    smallest normal number -- where fp16 starts to lose digits and then flushes to zero -- and whose low-precision
+    value came out zero or off by more than half. This counts what underflow destroys and nothing else: not a value
+    a low-precision forward pass zeroed differently (a ReLU or max-pool decision that differs from float32's, whose
+    reference value is not small), which no loss scale can change, and not a tiny value whose low-precision result
+    happens to be non-zero only because rounding noise from larger terms landed there.
     """
     ops = Float32Ops(low_precision_grad, reference_grad)
     xp = ops.xp
@@ -231,10 +237,14 @@ def underflow_fraction(low_precision_grad: Any, reference_grad: Any, scale: Any 
         raise ValueError(f"shapes differ: {tuple(low_precision_grad.shape)} vs {tuple(reference_grad.shape)}")
     if math.prod(low_precision_grad.shape) == 0:
         return ops.array(ops.const(0.0))
-    lost = xp.logical_and(low_precision_grad == 0, reference_grad != 0)
-    if scale is not None:
+    if scale is None:
+        lost = xp.logical_and(low_precision_grad == 0, reference_grad != 0)
+    else:
         if isinstance(scale, (int, float, np.generic, np.ndarray)):
             scale = ops.const(float(scale))
-        small = xp.abs(ops.f32(reference_grad)) * scale < ops.const(float(tiny))
-        lost = xp.logical_and(lost, small)
+        expected = ops.f32(reference_grad) * scale
+        magnitude = xp.abs(expected)
+        wrong = xp.abs(ops.f32(low_precision_grad) - expected) > magnitude * ops.const(0.5)
+        small = magnitude < ops.const(float(smallest_normal))
+        lost = xp.logical_and(xp.logical_and(wrong, small), reference_grad != 0)
     return ops.array(xp.mean(xp.astype(lost, xp.float32)))

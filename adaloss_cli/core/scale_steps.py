@@ -75,7 +75,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     between refreshes: with the factors reused, the incoming scales are the same as then.
 
     The common scale keeps every rescaled gradient below h * u_max (DESIGN.md 2.3); for max_range below
-    h * u_max / (2 k) for k gradients, so that their sum cannot overflow either.
+    h * u_max / k for k gradients, so that their sum cannot overflow either.
     """
     table = state.scale_arrays()[0]
     if len(grads) == 1 or not state.adaptive:
@@ -90,7 +90,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
         opts = state.options
         limit = opts.range_for(grads[0].dtype)[1] * state.headroom
         if opts.method == "max_range":
-            limit /= 2.0 * len(grads)
+            limit /= len(grads)
         with ops.quiet():
             common, multipliers = _branch_common_scale(ops, grads, scales, limit)
         cache[...] = common

@@ -208,8 +208,8 @@ class ScalePoint:
         elif state.recording:
             reference = state.reference.pop(self.index, None)
             if reference is not None:
-                tiny = float(np.finfo(gx.dtype).smallest_subnormal)
-                state.underflow[self.index] = underflow_fraction(gx, reference, state.table[self.in_slot], tiny)
+                normal = float(np.finfo(gx.dtype).tiny)  # the smallest normal number
+                state.underflow[self.index] = underflow_fraction(gx, reference, state.table[self.in_slot], normal)
 
     def __repr__(self) -> str:
         return f"ScalePoint({self.name}: {self.kind}, fan={self.fan}, slot {self.in_slot})"

@@ -155,14 +155,14 @@ class ScalePoint(nn.Module):
 
     def _record(self, execution: Execution, gx: torch.Tensor) -> None:
         """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32
-        reference pass (values below the compute dtype's smallest magnitude at that scale)."""
+        reference pass (see ``underflow_fraction``)."""
         state = self.state
         scale = execution.scale_arrays()[0][self.in_slot]
         state.view("in_scale")[self.index] = scale
         reference = state.reference.pop(self.name, None)
         if reference is not None and reference.shape == gx.shape:
-            tiny = torch.finfo(gx.dtype).smallest_normal * torch.finfo(gx.dtype).eps
-            state.view("underflow")[self.index] = underflow_fraction(gx, reference, scale, tiny)
+            normal = torch.finfo(gx.dtype).smallest_normal
+            state.view("underflow")[self.index] = underflow_fraction(gx, reference, scale, normal)
             state.zeroed[self.name] = underflow_fraction(gx, reference)
 
     # -- the arithmetic, per kind --------------------------------------------------------------------------------

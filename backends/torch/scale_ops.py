@@ -212,7 +212,8 @@ class _Output(torch.autograd.Function):
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)
         if point.record and execution.recording:
-            point.state.output_records[point.name] = underflow_fraction(cast, scaled)
+            point.state.output_records[point.name] = underflow_fraction(cast, scaled, 1.0,
+                                                                        torch.finfo(cast.dtype).smallest_normal)
         return None, None, cast
 
 
