@@ -255,7 +255,8 @@ def test_an_optimizer_built_before_the_scaler_trains_the_model():
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        assert scaler.step(optimizer)
+        scaler.step(optimizer)
+        assert scaler.stepped
         scaler.update()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
@@ -375,7 +376,8 @@ def test_a_persistent_overflow_backs_off_within_a_few_steps_and_training_resumes
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
-            did = scaler.step(optimizer)
+            scaler.step(optimizer)
+            did = scaler.stepped
             scaler.update()
             if not scaler.should_retry:
                 break
@@ -469,7 +471,8 @@ def _fp16_steps(method: str, update_every: int, guard, steps: int = 4):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y) * 1e-3
             scaler.scale(loss).backward()
-        assert scaler.step(optimizer) is True
+        scaler.step(optimizer)
+        assert scaler.stepped is True
         scaler.update()
     n = len(scaler.state.names)
     tables = {name: scaler.state.arrays[name][:n].clone() for name in ("unbound", "factor", "weight_factor")}
@@ -510,7 +513,8 @@ def test_cuda_forward_and_backward_never_synchronise(method):
             scaler.scale(loss).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert scaler.step(optimizer) is True
+        scaler.step(optimizer)
+        assert scaler.stepped is True
         scaler.update()
     assert scaler.state.arrays["factor"].is_cuda
 

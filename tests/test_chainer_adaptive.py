@@ -610,3 +610,33 @@ def test_importing_the_package_does_not_import_chainer():
             "assert 'chainer' not in sys.modules; assert r.is_backend_installed('chainer'); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# --- factors beyond fp16's range (the fp16 cast of a factor was a bug) ---------------------------------------------
+
+@pytest.mark.parametrize("factor", [2.0 ** 16, 3 * 2.0 ** -25])
+def test_factors_beyond_fp16_range_are_applied_in_float32(factor):
+    """2**16 is inf in fp16 and 3 * 2**-25 rounds to another number: the product is formed in float32."""
+    from adaloss_cli.backends.chainer.scale_points import multiply
+    g = np.array([2.0 ** -20, 2.0 ** -10, -3.0], np.float16)
+    got = multiply(g, np.float32(factor))
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, (g.astype(np.float64) * factor).astype(np.float16))
+
+
+def test_the_issue_linear_layer_gives_the_exact_weight_gradient_at_a_factor_of_65536():
+    """abs_range on Linear(1 -> 1), x = 1, W = 1e-5, gy = 2**-24 chooses 65536; multiplying by that factor cast to
+    fp16 gave dW = inf where the exact answer is 5.96e-8."""
+    model = chainer.Sequential(L.Linear(1, 1, nobias=True))
+    model[0].W.array[...] = 1e-5
+    scaler = adaptive(model, loss_scale_method="abs_range", accum_upper_bound=1024.0, exact_bounds=False)
+    x = chainer.Variable(np.ones((1, 1), np.float16))
+    with chainer.using_config("train", True):
+        y = model(x)
+        y.grad = np.full((1, 1), 2.0 ** -24, np.float16)
+        scaler.state.table[0] = 1.0
+        y.backward()
+    assert float(scaler.state.factor[0]) == 65536.0
+    (param,) = model.params()
+    grad = param.grad / scaler.state.table[scaler.links.points[0].weight_slot]
+    assert float(grad[0, 0]) == pytest.approx(2.0 ** -24, rel=1e-3)

@@ -139,7 +139,8 @@ def _skip_decision_check(world: World) -> dict:
     if world.rank == 1:
         model.weight.grad[0, 0] = float("inf")
     before = model.weight.detach().clone()
-    stepped = scaler.step(optimizer, loss=loss)
+    scaler.step(optimizer, loss=loss)
+    stepped = scaler.stepped
     scaler.update()
     return {"stepped": stepped, "scale": scaler.get_scale(), "loss": scaler.last_loss,
             "expected_loss": float(base) * 1.5, "unchanged": bool(torch.equal(model.weight, before))}

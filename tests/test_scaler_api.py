@@ -54,7 +54,8 @@ def train_with(method: str, **options):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        stepped.append(scaler.step(optimizer))
+        scaler.step(optimizer)
+        stepped.append(scaler.stepped)
         scaler.update()
         losses.append(loss.item())
     return model, losses, stepped
@@ -106,7 +107,8 @@ def test_adaptive_step_is_skipped_for_a_non_finite_gradient_in_the_model_or_outs
         scaler.scale(loss).backward()
         if poison and bad_where == "extra":
             extra.grad[0] = float("inf")
-        stepped = scaler.step(optimizer)
+        scaler.step(optimizer)
+        stepped = scaler.stepped
         scaler.update()
         return stepped
 
@@ -144,7 +146,8 @@ def test_option_values_beyond_float32_are_refused_or_handled(key, method):
         return
     optimizer = torch.optim.SGD(scaler.model.parameters(), lr=0.1)
     scaler.scale(scaler.model(torch.randn(3, 4)).pow(2).sum()).backward()
-    assert isinstance(scaler.step(optimizer), bool)
+    scaler.step(optimizer)
+    assert isinstance(scaler.stepped, bool)
 
 
 # --- adaptive through `adaloss train` ----------------------------------------------------------------------------
@@ -242,3 +245,96 @@ def test_init_scale_beyond_float32_is_a_config_error(invoke, tmp_path):
     result, out = train(invoke, tmp_path, "huge", "loss_scaling.adaptive.init_scale=1e39")
     assert result.exit_code == 2
     assert "init_scale" in result.output
+
+
+# --- the GradScaler surface frameworks call ------------------------------------------------------------------------
+
+def _public_methods(cls) -> dict:
+    import inspect
+    return {name: inspect.signature(getattr(cls, name)) for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))}
+
+
+def test_loss_scaler_has_every_public_method_of_grad_scaler_with_compatible_calls():
+    import inspect
+    ours, theirs = _public_methods(LossScaler), _public_methods(torch.amp.GradScaler)
+    assert set(theirs) <= set(ours), set(theirs) - set(ours)
+    for name, signature in theirs.items():
+        params = [p for p in signature.parameters.values() if p.name != "self"]
+        mine = {p.name: p for p in ours[name].parameters.values() if p.name != "self"}
+        for p in params:  # every argument GradScaler takes, ours takes the same way
+            if p.kind is p.VAR_POSITIONAL:
+                assert any(q.kind is q.VAR_POSITIONAL for q in mine.values()), name
+            elif p.kind is p.VAR_KEYWORD:
+                assert any(q.kind is q.VAR_KEYWORD for q in mine.values()), name
+            else:
+                assert p.name in mine and (p.default is inspect.Parameter.empty) == (
+                    mine[p.name].default is inspect.Parameter.empty), (name, p.name)
+
+
+@pytest.mark.parametrize("method, options", [("none", {}), ("fixed", {"scale": 256.0}), ("dynamic", {}),
+                                             ("adaptive", {})])
+def test_an_optimizer_built_first_trains_with_every_method(method, options):
+    """GradScaler users build the optimizer first; the scaler must then train the very parameters it holds."""
+    torch.manual_seed(0)
+    model = MLP(16, [16], 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = LossScaler(model, method, **options)
+    x, y = torch.randn(16, 1, 4, 4), torch.randint(0, 3, (16,))
+    losses = []
+    for _ in range(12):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_step_returns_what_the_optimizer_returns_and_passes_a_closure_through():
+    """accelerate calls ``scaler.step(optimizer, closure)`` positionally; GradScaler returns optimizer.step's
+    value, None when it skipped."""
+    model = MLP(16, [8], 3)
+    calls = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            calls.append(closure)
+            return "stepped"
+
+    optimizer = Recording(model.parameters(), lr=0.1)
+    scaler = LossScaler(model, "dynamic", init_scale=2.0 ** 8)
+    scaler.scale(F.cross_entropy(model(torch.randn(4, 1, 4, 4)), torch.tensor([0, 1, 2, 0]))).backward()
+    assert scaler.step(optimizer, None) == "stepped" and calls == [None] and not scaler.step_was_skipped
+    scaler.update(new_scale=64.0)
+    assert scaler.get_scale() == 64.0
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))
+    assert scaler.step(optimizer) is None and scaler.step_was_skipped and len(calls) == 1
+    scaler.update()
+    assert scaler.get_scale() == 32.0 and scaler.get_backoff_factor() == 0.5
+    scaler.set_growth_interval(7)
+    assert scaler.get_growth_interval() == 7
+
+
+def test_a_disabled_scaler_is_a_pass_through():
+    model = MLP(16, [8], 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(model, "adaptive", enabled=False)
+    assert not scaler.is_enabled() and installed_state(model) is None and scaler.get_scale() == 1.0
+    loss = F.cross_entropy(model(torch.randn(4, 1, 4, 4)), torch.tensor([0, 1, 2, 0]))
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_knobs_a_method_does_not_have_are_refused_by_name():
+    scaler = LossScaler(MLP(16, [8], 3), "fixed")
+    assert scaler.get_growth_factor() == 1.0 and scaler.get_growth_interval() == 0
+    with pytest.raises(ValueError, match="fixed"):
+        scaler.set_growth_factor(2.0)

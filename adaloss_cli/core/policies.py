@@ -50,6 +50,13 @@ class ScalePolicy(ABC):
     def scale(self) -> float:
         """The scale S to multiply the loss by for the next backward."""
 
+    def set_scale(self, scale: float) -> None:
+        """Use ``scale`` from now on (``GradScaler.update(new_scale)``); the methods without a settable scale refuse."""
+        if not (math.isfinite(scale) and scale > 0) or not hasattr(self, "_scale"):
+            raise ValueError(f"cannot set the loss scale of method {self.method!r} to {scale!r}: it must be a "
+                             "positive finite number, for fixed, dynamic or adaptive")
+        self._scale = float(scale)
+
     def update(self, found_overflow: bool, attempt: int = 0) -> StepAction:
         """Record the outcome of one backward and say what to do with its gradients.
 
@@ -163,6 +170,8 @@ class AdaptiveGlobal(ScalePolicy):
                             f" growth_interval {growth_interval!r} >= 1, on_overflow {on_overflow!r} skip or retry")
         self._scale = float(init_scale)
         self.backoff_factor = float(backoff_factor)
+        #: What the headroom grows by after growth_interval clean steps (back to where one overflow took it).
+        self.growth_factor = 1.0 / self.backoff_factor
         self.growth_interval = int(growth_interval)
         self.on_overflow = on_overflow
         self.max_retries = int(max_retries)
@@ -188,7 +197,7 @@ class AdaptiveGlobal(ScalePolicy):
         self._growth_tracker += 1
         if self._growth_tracker >= self.growth_interval:
             self._growth_tracker = 0
-            self._headroom = min(self._headroom / self.backoff_factor, 1.0)
+            self._headroom = min(self._headroom * self.growth_factor, 1.0)
         return StepAction.STEP
 
     def _state(self) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class TorchBackend(Backend):
             self.scaler.unscale_(self.optimizer)
             if self.config.training.grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip_norm)
-            stepped = self.scaler.step(self.optimizer, loss=loss)
+            self.scaler.step(self.optimizer, loss=loss)
+            stepped = self.scaler.stepped
             overflowed = overflowed or self.scaler.found_overflow
             self.scaler.update()
             if not self.scaler.should_retry:

@@ -70,6 +70,8 @@ class LossScaler:
         config: a validated ``LossScalingConfig`` (as the trainer passes); otherwise ``options`` are the keys of
             the method's config section, e.g. ``scale=128`` for fixed, ``preset="deepspeed"`` for dynamic,
             ``loss_scale_method="abs_range"`` for adaptive.
+        enabled: False makes every call a pass-through (``scale`` returns the loss, ``step`` calls
+            ``optimizer.step()``), as ``GradScaler(enabled=False)``: call sites need no ``if``.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -78,16 +80,18 @@ class LossScaler:
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 passthrough_modules: Iterable[type] = (), process_group: Any = None, **options: Any) -> None:
+                 enabled: bool = True, process_group: Any = None, **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
         self.model = model
+        self.enabled = bool(enabled)
         self.process_group = process_group
         self.state: ScaleState | None = None
         self._measuring: Any = None
         self._measuring_state: ScaleState | None = None
-        if self.method == "adaptive":
+        self.stepped = False
+        if self.method == "adaptive" and self.enabled:
             self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale,
                                     _device_of(model))
             install(model, self.state)
@@ -111,13 +115,58 @@ class LossScaler:
     # -- the GradScaler calls -------------------------------------------------------------------------------------------
 
     def get_scale(self) -> float:
-        """The global loss scale the next backward will use."""
-        return float(self.policy.scale)
+        """The global loss scale the next backward will use (1.0 when disabled)."""
+        return float(self.policy.scale) if self.enabled else 1.0
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Multiply the loss by the current loss scale before ``backward()``."""
+    def scale(self, outputs: Any) -> Any:
+        """Multiply the loss (or each tensor of a list or tuple of them) by the loss scale before ``backward()``."""
         scale = self.policy.scale
-        return loss if scale == 1.0 else loss * scale
+        if not self.enabled or scale == 1.0:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * scale
+        return type(outputs)(self.scale(o) for o in outputs)
+
+    def is_enabled(self) -> bool:
+        """Whether the scaler does anything (``enabled`` at construction)."""
+        return self.enabled
+
+    def get_growth_factor(self) -> float:
+        """What the scale (dynamic) or the headroom (adaptive) grows by after growth_interval clean steps; 1.0
+        for methods that never grow."""
+        return float(getattr(self.policy, "growth_factor", 1.0))
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set :meth:`get_growth_factor` (dynamic and adaptive only)."""
+        self._set_knob("growth_factor", float(new_factor))
+
+    def get_backoff_factor(self) -> float:
+        """What the scale (dynamic) or the headroom (adaptive) is multiplied by on an overflow; 1.0 for methods
+        that never back off."""
+        return float(getattr(self.policy, "backoff_factor", 1.0))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set :meth:`get_backoff_factor` (dynamic and adaptive only)."""
+        self._set_knob("backoff_factor", float(new_factor))
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale or headroom grows (0 for methods that never grow)."""
+        return int(getattr(self.policy, "growth_interval", 0))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set :meth:`get_growth_interval` (dynamic and adaptive only)."""
+        self._set_knob("growth_interval", int(new_interval))
+
+    def _set_knob(self, name: str, value: Any) -> None:
+        if not hasattr(self.policy, name):
+            raise ValueError(f"loss-scaling method {self.method!r} has no {name}; it applies to dynamic and "
+                             "adaptive")
+        setattr(self.policy, name, value)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last :meth:`step` skipped the optimizer step (an overflow)."""
+        return not self.stepped
 
     def _grad_divisor(self, p: torch.Tensor) -> float:
         """What ``p``'s gradient is divided by after backward: adaptive scaling leaves its model's parameter
@@ -136,7 +185,7 @@ class LossScaler:
 
         Call it before gradient clipping so that clipping sees true gradients; :meth:`step` calls it otherwise.
         """
-        if self._found_inf is not None:
+        if self._found_inf is not None or not self.enabled:
             return
         self._check_adaptive_ran(optimizer)
         grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -166,13 +215,18 @@ class LossScaler:
                 "model.forward(x) or a copy of it, and do not torch.compile or replace it after building the "
                 "LossScaler (if torch.compile reached its recompile limit, raise torch._dynamo.config.recompile_limit)")
 
-    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> bool:
-        """Apply ``optimizer.step()`` unless a gradient overflowed; return whether it stepped.
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, loss: torch.Tensor | None = None,
+             **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless a gradient overflowed, as ``GradScaler.step``: returns what
+        the optimizer returned, or None when the step was skipped (:attr:`stepped` says which).
 
-        ``loss`` (optional) is read back in the same device-to-host transfer as the overflow flag and kept in
-        ``last_loss``, so logging the loss costs no extra synchronisation. After an overflow, ``last_action`` says
-        whether the policy wants the step skipped or the same batch retried with the new scale.
+        ``loss`` (optional, keyword) is read back in the same device-to-host transfer as the overflow flag and kept
+        in ``last_loss``, so logging the loss costs no extra synchronisation. After an overflow, ``last_action``
+        says whether the policy wants the step skipped or the same batch retried with the new scale.
         """
+        if not self.enabled:
+            self.stepped = True
+            return optimizer.step(*args, **kwargs)
         self.unscale_(optimizer)
         values = self._found_inf.reshape(1).float()
         if loss is not None:
@@ -184,9 +238,8 @@ class LossScaler:
             self.last_loss = rest[0]
         self.found_overflow = bool(found)
         self.last_action = self.policy.update(self.found_overflow, self._attempt)
-        if self.last_action is StepAction.STEP:
-            optimizer.step()
-        return self.last_action is StepAction.STEP
+        self.stepped = self.last_action is StepAction.STEP
+        return optimizer.step(*args, **kwargs) if self.stepped else None
 
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         """[overflow flag, loss?] over the process group in one collective: the flags are 0 or positive, so their
@@ -197,8 +250,13 @@ class LossScaler:
         values[1:] /= dist.get_world_size(self.process_group)
         return values
 
-    def update(self) -> None:
-        """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one)."""
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one). ``new_scale``
+        sets the loss scale from now on, as in ``GradScaler.update``."""
+        if not self.enabled:
+            return
+        if new_scale is not None:
+            self.policy.set_scale(float(new_scale))
         retry = self.last_action is StepAction.RETRY
         self._attempt = self._attempt + 1 if retry else 0
         self._found_inf = None
@@ -316,8 +374,9 @@ class LossScaler:
             state["layers"] = self.state.state_dict_values()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses state saved for another method."""
+        state = state_dict
         if state.get("method") != self.method:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
