@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from .array_ops import Float32Ops
+from .adaptive_stats import abs_max_value, default_range
+from .array_ops import Float32Ops, ops_for
 
-__all__ = ["abs_sum_max", "measured_lift"]
+__all__ = ["abs_sum_max", "measured_lift", "output_factor", "weight_gradient_bound"]
 
 # Exponent bins of float32 magnitudes: frexp exponents run from -148 (the smallest subnormal) to 128.
 _EXPONENT_OFFSET = 160
@@ -96,3 +97,47 @@ def _array_exponent_counts(ops: Float32Ops, gy: Any) -> Any:
     keep = (values != 0) & native.isfinite(values)
     index = native.clip(exponent[keep] + _EXPONENT_OFFSET, 0, _EXPONENT_BINS - 1)
     return native.bincount(index, minlength=_EXPONENT_BINS).astype(np.float32)
+
+
+def weight_gradient_bound(gy: Any, x_bound: Any, headroom: float = 1.0, u_max: float | None = None) -> Any:
+    """The largest factor s_w (before the power-of-two floor) for which the weight gradient dW = (s_w * gy)^T . x
+    and s_w * gy itself stay below h * u_max / 2: (h * u_max / 2) / (max|gy| * max(x_bound, 1)), where ``x_bound``
+    is :func:`~.range_bounds.abs_sum_max` of the layer input over its summed positions, an exact bound on
+    |dW| / max|gy|. 1 when that is not a positive finite number. ``u_max`` defaults to gy's dtype's."""
+    ops = ops_for(gy)
+    with ops.quiet():
+        top = default_range(gy.dtype)[1] if u_max is None else u_max
+        return ops.from_scalar(_weight_gradient_bound(ops, gy, ops.scalar(x_bound), top * headroom))
+
+
+def _weight_gradient_bound(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float) -> Any:
+    sops = ops.scalars
+    c = sops.const
+    s = c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(x_bound, c(1.0)))
+    return sops.where(sops.positive_finite(s), s, c(1.0))
+
+
+def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0) -> Any:
+    """The factor for the loss gradient at the model output, before it is cast from float32 to ``target_dtype``.
+
+    The cast is element-wise, so the exact rule is cheap: the factor that brings max|g| to h * u_max / 2 (one power
+    of two of margin), divided by ``accum_upper_bound`` when that is set (the layers below may then add that much,
+    as in the paper). Power of two when ``power_of_two``; 1 for an all-zero or non-finite g. Starting every backward
+    at the top of the range is what GradScaler-style dynamic scaling reaches only after growing into it.
+    """
+    ops = ops_for(g)
+    with ops.quiet():
+        return ops.from_scalar(_output_factor(ops, g, target_dtype, opts, headroom))
+
+
+def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float) -> Any:
+    sops = ops.scalars
+    c = sops.const
+    if math.prod(g.shape) == 0:
+        return c(1.0)
+    target = opts.range_for(target_dtype)[1] * headroom / 2.0
+    if opts.accum_upper_bound is not None:
+        target /= opts.accum_upper_bound
+    s = c(target) / abs_max_value(ops, g)
+    s = sops.where(sops.positive_finite(s), s, c(1.0))
+    return sops.floor_power_of_two(s) if opts.power_of_two else s

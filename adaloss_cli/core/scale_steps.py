@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .adaptive import (MAX_ACCUMULATED_SCALE, _bound, _branch_common_scale, _floor_power_of_two,
-                       _output_factor, _statistics_of, _unbound_factor, _weight_gradient_bound)
+from .adaptive import (MAX_ACCUMULATED_SCALE, _bound, _branch_common_scale, _floor_power_of_two, _statistics_of,
+                       _unbound_factor)
+from .range_bounds import _output_factor, _weight_gradient_bound
 from .array_ops import ops_for
 
 __all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step"]

@@ -25,39 +25,15 @@ import operator
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
-from adaloss_cli.errors import UserError
-
-from .points import ConvPoint, LinearPoint, MatmulPoint, ScalePoint
+from .graph_ops import (NORMS, TransformError, carries_grad, example, functionalize, is_view,
+                        match_scale_point)
+from .points import ScalePoint
 from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse
 from .scale_state import GraphPlan, ScaleState
 
 __all__ = ["AdalossGraph", "TransformError", "transform_graph"]
-
-_LINEAR = {torch._C._nn.linear, F.linear}
-_CONV = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3, F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
-_CONV_TRANSPOSE = {torch.conv_transpose1d: 1, torch.conv_transpose2d: 2, torch.conv_transpose3d: 3,
-                   F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
-_MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm}
-_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-#: Normalisation functions: their parameters stay float32 in the pure low-precision mode, as under autocast.
-_NORMS = {F.layer_norm, torch.layer_norm, F.batch_norm, torch.batch_norm, F.group_norm, torch.group_norm,
-          F.instance_norm, torch.instance_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)} - {None}
-#: Operations that only reshape, slice or cast a parameter: their results are still "the parameter" for matching
-#: scale points, and their backward passes unscaled gradients through unchanged.
-_VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "float", "half", "bfloat16",
-                 "type", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "chunk", "split",
-                 "narrow", "view_as", "reshape_as", "__getitem__"}
-_VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.flatten, torch.unsqueeze,
-                   torch.squeeze, torch.chunk, torch.split, torch.narrow, operator.getitem}
-_INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-                      operator.itruediv: operator.truediv}
-
-
-class TransformError(UserError):
-    """The model cannot be transformed for adaptive loss scaling; the message names what and the fix."""
 
 
 class AdalossGraph(nn.Module):
@@ -97,7 +73,7 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     params = _parameter_nodes(gm, list(example_inputs), names)
     buffer_nodes = _buffer_nodes(gm, list(example_inputs), buffers)
     _refuse_opaque_subgraphs(graph)
-    _functionalize(graph)
+    functionalize(graph)
     derived = _parameter_derived(graph, set(params))
     adaloss = AdalossGraph(state)
     gm.adaloss = adaloss
@@ -123,27 +99,13 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
 
 # -- reading the graph ---------------------------------------------------------------------------------------------
 
-def _example(node: fx.Node) -> Any:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
-
-
-def _carries_grad(node: Any) -> bool:
-    """Whether a node's value (or any tensor in it) requires grad, from Dynamo's example values."""
-    value = _example(node)
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
-    return False
-
-
 def _parameter_nodes(gm: fx.GraphModule, examples: list, names: dict[int, str]) -> dict[fx.Node, str]:
     """Placeholders (and get_attr nodes) that are parameters of the model, with their qualified names."""
     found: dict[fx.Node, str] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, example in zip(placeholders, examples):
-        if isinstance(example, nn.Parameter) and id(example) in names:
-            found[node] = names[id(example)]
+    for node, value in zip(placeholders, examples):
+        if isinstance(value, nn.Parameter) and id(value) in names:
+            found[node] = names[id(value)]
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _attribute(gm, node.target)
@@ -167,7 +129,7 @@ def _attribute(gm: nn.Module, target: str) -> Any:
 def _refuse_opaque_subgraphs(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) \
-                and any(_carries_grad(a) for a in node.all_input_nodes):
+                and any(carries_grad(a) for a in node.all_input_nodes):
             raise TransformError(
                 f"the model's forward contains {node.target.name()!r}, a region torch.compile keeps as a subgraph "
                 "(activation checkpointing, an autocast region inside forward, a cond/scan): adaptive scaling "
@@ -175,80 +137,12 @@ def _refuse_opaque_subgraphs(graph: fx.Graph) -> None:
                 "scaling (e.g. disable activation checkpointing), or use the dynamic method")
 
 
-def _functionalize(graph: fx.Graph) -> None:
-    """Rewrite in-place updates of values that carry gradients out of place, redirecting later uses of the updated
-    value to the new one (inserted points hand out views, which must not be modified in place)."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.kwargs.get("inplace") is True:
-            node.kwargs = {**node.kwargs, "inplace": False}
-            _redirect_later_uses(graph, order, node, node.args[0] if node.args else None)
-            continue
-        mutated = _mutated_argument(node)
-        if mutated is None or not _carries_grad(mutated):
-            continue
-        _check_no_views_used_after(order, node, mutated)
-        if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-            node.target = _INPLACE_OPERATORS[node.target]
-        elif node.op == "call_method" and hasattr(torch.Tensor, node.target[:-1]):
-            node.target = node.target[:-1]
-        elif node.op == "call_function" and hasattr(torch, getattr(node.target, "__name__", "_")[:-1]):
-            node.target = getattr(torch, node.target.__name__[:-1])
-        else:  # no out-of-place form (copy_, setitem): update a fresh copy instead
-            with graph.inserting_before(node):
-                copy = graph.call_method("clone", (mutated,))
-            copy.meta["example_value"] = _example(mutated)
-            node.args = (copy,) + tuple(node.args[1:])
-            order[copy] = order[node] - 0.5
-            _redirect_later_uses(graph, order, copy if node.target is operator.setitem else node, mutated, after=node)
-            continue
-        _redirect_later_uses(graph, order, node, mutated)
-
-
-def _mutated_argument(node: fx.Node) -> fx.Node | None:
-    target = node.target
-    if node.op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.endswith("__"):
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, fx.Node) else None
-    if node.op == "call_function":
-        name = getattr(target, "__name__", "")
-        if target in _INPLACE_OPERATORS or target is operator.setitem or (
-                name.endswith("_") and not name.endswith("__") and getattr(target, "__module__", "") == "torch"):
-            first = node.args[0] if node.args else None
-            return first if isinstance(first, fx.Node) else None
-    return None
-
-
-def _redirect_later_uses(graph: fx.Graph, order: dict, new: fx.Node, old: Any, after: fx.Node | None = None) -> None:
-    if not isinstance(old, fx.Node):
-        return
-    position = order[after if after is not None else new]
-    for user in list(old.users):
-        if user is not new and order.get(user, -1) > position:
-            user.replace_input_with(old, new)
-
-
-def _check_no_views_used_after(order: dict, node: fx.Node, mutated: fx.Node) -> None:
-    for user in mutated.users:
-        if order.get(user, 1e18) < order[node] and _is_view(user):
-            if any(order.get(later, -1) > order[node] for later in user.users):
-                raise TransformError(
-                    f"'{node.name}' updates '{mutated.name}' in place after a view of it ('{user.name}') was taken "
-                    "and that view is used afterwards; adaptive scaling rewrites in-place updates out of place and "
-                    "cannot keep such a view in step: update a copy, or take the view after the update")
-
-
-def _is_view(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
-
-
 def _parameter_derived(graph: fx.Graph, params: set[fx.Node]) -> set[fx.Node]:
     """Parameters and what only reshapes, slices or casts them (including the items of a split parameter)."""
     derived = set(params)
     for node in graph.nodes:
-        if _is_view(node) and node.args and node.args[0] in derived and not any(
-                _carries_grad(a) for a in node.all_input_nodes if a not in derived):
+        if is_view(node) and node.args and node.args[0] in derived and not any(
+                carries_grad(a) for a in node.all_input_nodes if a not in derived):
             derived.add(node)
     return derived
 
@@ -294,7 +188,7 @@ def _insert_scale_points(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set
     taken: dict[str, int] = {}
     points: dict[fx.Node, ScalePoint] = {}
     for node in list(graph.nodes):
-        match = _match_scale_point(node, derived)
+        match = match_scale_point(node, derived)
         if match is None:
             continue
         factory, x, weight, bias = match
@@ -313,88 +207,6 @@ def _insert_scale_points(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set
     return points
 
 
-def _arguments(node: fx.Node, names: tuple[str, ...], defaults: tuple) -> list:
-    """node's arguments by position, filled from keywords and then the defaults."""
-    values = list(node.args) + [None] * (len(names) - len(node.args))
-    for i, name in enumerate(names):
-        if i >= len(node.args):
-            values[i] = node.kwargs.get(name, defaults[i])
-    return values
-
-
-def _is_weight(node: Any, derived: set[fx.Node], ndim: int | None = None) -> bool:
-    value = _example(node)
-    return (isinstance(node, fx.Node) and node in derived and isinstance(value, torch.Tensor)
-            and (ndim is None or value.ndim == ndim))
-
-
-def _plain_input(node: Any, derived: set[fx.Node]) -> bool:
-    return isinstance(node, fx.Node) and node not in derived and isinstance(_example(node), torch.Tensor)
-
-
-def _match_scale_point(node: fx.Node, derived: set[fx.Node]):
-    """(point factory, x, weight, bias) when ``node`` is a matrix product or convolution with a parameter
-    operand that a scale point can replace; None otherwise (it stays, and its parameters get parameter uses)."""
-    if node.op == "call_function" and node.target in _LINEAR:
-        x, w, b = _arguments(node, ("input", "weight", "bias"), (None, None, None))
-        if _plain_input(x, derived) and _is_weight(w, derived, 2) and (b is None or _is_weight(b, derived, 1)):
-            shape = _example(w)
-            return (lambda state, name: LinearPoint(state, name, shape)), x, w, b
-        return None
-    if node.op == "call_function" and (node.target in _CONV or node.target in _CONV_TRANSPOSE):
-        return _match_conv(node, derived)
-    if (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
-            node.op == "call_method" and node.target in _MATMUL_METHODS):
-        a, b = (list(node.args) + [node.kwargs.get("other")])[:2]
-        if _is_weight(b, derived, 2) and _plain_input(a, derived) and _example(a).ndim >= 1:
-            shape, ndim = _example(b), _example(a).ndim
-            return (lambda state, name: MatmulPoint(state, name, shape, True, ndim)), a, b, None
-        if _is_weight(a, derived, 2) and _plain_input(b, derived) and _example(b).ndim >= 1:
-            shape, ndim = _example(a), _example(b).ndim
-            return (lambda state, name: MatmulPoint(state, name, shape, False, ndim)), b, a, None
-    return None
-
-
-def _match_conv(node: fx.Node, derived: set[fx.Node]):
-    transposed = node.target in _CONV_TRANSPOSE
-    dims = (_CONV_TRANSPOSE if transposed else _CONV)[node.target]
-    if transposed:
-        x, w, b, stride, padding, output_padding, groups, dilation = _arguments(
-            node, ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation"),
-            (None, None, None, 1, 0, 0, 1, 1))
-    else:
-        x, w, b, stride, padding, dilation, groups = _arguments(
-            node, ("input", "weight", "bias", "stride", "padding", "dilation", "groups"), (None, None, None, 1, 0, 1, 1))
-        output_padding = 0
-    if not (_plain_input(x, derived) and _is_weight(w, derived, dims + 2) and (b is None or _is_weight(b, derived, 1))):
-        return None
-    if (transposed and groups != 1) or any(isinstance(v, fx.Node) for v in (stride, dilation, groups)):
-        return None
-    shape = _example(w)
-    padding = _explicit_padding(padding, shape, dilation, stride, dims)
-    if padding is None:
-        return None
-    tuple_of = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * dims  # noqa: E731
-    options = (tuple_of(stride), padding, tuple_of(dilation), transposed, tuple_of(output_padding), int(groups))
-    return (lambda state, name: ConvPoint(state, name, shape, *options)), x, w, b
-
-
-def _explicit_padding(padding: Any, shape: Any, dilation: Any, stride: Any, dims: int) -> tuple | None:
-    """Integer padding per dimension; 'valid' is 0, 'same' the symmetric padding it means (None when 'same' would
-    need asymmetric padding: that convolution keeps its own backward)."""
-    if isinstance(padding, str):
-        if padding == "valid":
-            return (0,) * dims
-        dil = tuple(dilation) if isinstance(dilation, (tuple, list)) else (int(dilation),) * dims
-        total = [d * (k - 1) for d, k in zip(dil, shape[2:])]
-        if padding != "same" or any(t % 2 for t in total):
-            return None
-        return tuple(t // 2 for t in total)
-    if any(isinstance(v, fx.Node) for v in (padding if isinstance(padding, (tuple, list)) else [padding])):
-        return None
-    return tuple(padding) if isinstance(padding, (tuple, list)) else (int(padding),) * dims
-
-
 def _insert_parameter_uses(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set[fx.Node],
                            params: dict[fx.Node, str], points: dict[fx.Node, ScalePoint]) -> dict[fx.Node, ParamUse]:
     """A parameter use before every operation that uses a parameter (or a view of one) and is not a scale point's
@@ -402,17 +214,17 @@ def _insert_parameter_uses(gm: fx.GraphModule, adaloss: AdalossGraph, derived: s
     graph = gm.graph
     begin = next(n for n in graph.nodes if n.op == "call_module" and n.target == "adaloss.begin")
     uses: dict[fx.Node, ParamUse] = {}
-    for value in [n for n in graph.nodes if n in derived and _carries_grad(n)]:
+    for value in [n for n in graph.nodes if n in derived and carries_grad(n)]:
         for user in list(value.users):
             if user in derived or (user in points and user.args[1] is not value):
                 continue
             if user.op == "output":
                 continue
-            use = ParamUse(_root_name(value, params), castable=user.target not in _NORMS)
+            use = ParamUse(_root_name(value, params), castable=user.target not in NORMS)
             adaloss.params.append(use)
             with graph.inserting_before(user):
                 node = graph.call_module(f"adaloss.params.{len(adaloss.params) - 1}", (begin, value))
-            node.meta["example_value"] = _example(value)
+            node.meta["example_value"] = example(value)
             user.replace_input_with(value, node)
             uses[node] = use
     return uses
@@ -428,8 +240,8 @@ def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.N
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     carrying = []
-    fx.node.map_arg(output.args, lambda n: carrying.append(n) if _carries_grad(n) and isinstance(
-        _example(n), torch.Tensor) and _example(n).is_floating_point() and n not in carrying else None)
+    fx.node.map_arg(output.args, lambda n: carrying.append(n) if carries_grad(n) and isinstance(
+        example(n), torch.Tensor) and example(n).is_floating_point() and n not in carrying else None)
     made: dict[fx.Node, OutputPoint] = {}
     replacement: dict[fx.Node, fx.Node] = {}
     for i, value in enumerate(carrying):
@@ -454,12 +266,12 @@ def _insert_widening_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx
     graph = gm.graph
     made: dict[fx.Node, OutputPoint] = {}
     for node in list(graph.nodes):
-        value = _example(node)
+        value = example(node)
         if node in derived or not (isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION
                                    and value.requires_grad):
             continue
         for user in list(node.users):
-            result = _example(user)
+            result = example(user)
             if user.op == "output" or str(user.target).startswith("adaloss.") or not (
                     isinstance(result, torch.Tensor) and result.requires_grad
                     and result.dtype in (torch.float32, torch.float64)):
@@ -480,7 +292,7 @@ def _insert_input_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.No
     graph = gm.graph
     made: dict[fx.Node, InputPoint] = {}
     for node in [n for n in graph.nodes if n.op == "placeholder" and n not in skip]:
-        value = _example(node)
+        value = example(node)
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
             continue
         point = InputPoint(node.name)
@@ -502,7 +314,7 @@ def _gradient_uses(node: fx.Node) -> list[fx.Node]:
         if user.op == "output":
             continue
         inserted = user.op == "call_module" and str(user.target).startswith("adaloss.")
-        if not (inserted or _carries_grad(user)):
+        if not (inserted or carries_grad(user)):
             continue
         hits: list[bool] = []
         fx.node.map_arg((user.args, user.kwargs), lambda a: hits.append(a is node))
@@ -517,11 +329,11 @@ def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin:
     for node in list(graph.nodes):
         if node.op in ("placeholder", "output", "get_attr") or node in derived or node is begin:
             continue
-        value = _example(node)
-        if isinstance(value, (tuple, list)) and _carries_grad(node):
+        value = example(node)
+        if isinstance(value, (tuple, list)) and carries_grad(node):
             items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem
-                     and _carries_grad(u) and _gradient_uses(u)]
-            if any(isinstance(_example(u), (tuple, list)) for u in items) and len(items) > 1:
+                     and carries_grad(u) and _gradient_uses(u)]
+            if any(isinstance(example(u), (tuple, list)) for u in items) and len(items) > 1:
                 raise TransformError(
                     f"'{node.name}' ({node.target}) returns nested outputs that are used separately; adaptive "
                     "scaling cannot bring their gradients to one scale: use one of its outputs, or another method")
@@ -531,10 +343,10 @@ def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin:
     for node in list(graph.nodes):
         if node.op in ("output", "get_attr") or node in derived or str(node.target).startswith(skipped):
             continue
-        if not isinstance(_example(node), torch.Tensor):
+        if not isinstance(example(node), torch.Tensor):
             continue
         uses = _gradient_uses(node)
-        if len(uses) > 1 and _carries_grad(node):
+        if len(uses) > 1 and carries_grad(node):
             made.update(_insert_point(graph, adaloss, state, begin, [node], _value_name(gm, node), join=False,
                                       fan_out=len(uses)))
     return made
@@ -561,7 +373,7 @@ def _insert_point(graph: fx.Graph, adaloss: AdalossGraph, state: ScaleState, beg
         for i in range(count):
             copies.append(graph.call_function(operator.getitem, (node, i)))
     for copy, source in zip(copies, values if join else values * count):
-        copy.meta["example_value"] = _example(source)
+        copy.meta["example_value"] = example(source)
     if join:
         for value, copy in zip(values, copies):
             for user in set(users_of[value]):
@@ -608,7 +420,7 @@ def _output_gradient_slot(node: fx.Node, slot: dict, points: dict, branches: dic
             if user.args[1] is node:
                 return points[user].in_slot
             continue
-        if user.op == "output" or not (_carries_grad(user) or str(user.target).startswith("adaloss.")):
+        if user.op == "output" or not (carries_grad(user) or str(user.target).startswith("adaloss.")):
             continue
         return slot.get(user, 0)
     return 0

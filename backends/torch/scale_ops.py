@@ -35,7 +35,7 @@ from adaloss_cli.core.scale_steps import branch_scale_step, output_scale_step
 
 from .scale_state import Execution, GraphPlan, ScaleState
 
-__all__ = ["Begin", "BranchPoint", "InputPoint", "JoinPoint", "OutputPoint", "ParamUse", "multiply"]
+__all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "multiply"]
 
 
 def multiply(g: torch.Tensor, factor: Any, scratch: torch.Tensor | None = None) -> torch.Tensor:

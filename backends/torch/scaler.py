@@ -21,7 +21,7 @@ import math
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
 from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
-from .capture import compiled, install, installed_state
+from .capture import compiled, install
 from .graph_transform import TransformError
 from .scale_state import ScaleState
 
