@@ -284,6 +284,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "default each probe runs the variant on a 2-example batch before its baseline")
     parser.add_argument("--memory-jobs", type=int, default=None,
                         help="memory subprocesses at a time (default: CPU count on cpu, 1 on cuda)")
+    parser.add_argument("--launches", action="store_true",
+                        help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
+                             "tensors (a GPU-cost proxy measurable anywhere; see benchmarks.launches)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler's top operators for each variant")
     parser.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
@@ -350,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
             profile_variants(runners, batches, args.device, steps=max(work.steps // 2, 2))
         results["models"][model_name] = {"workload": asdict(work), "timing": timing, "memory": memory,
                                          "runs": runs, "raw_step_seconds": times}
+        if args.launches:
+            from benchmarks.launches import count_variants, report
+            counts = count_variants(work, list(args.variants), args.dtype)
+            report(model_name, counts, REFERENCE)
+            results["models"][model_name]["launches"] = counts
         results["checks"].extend(checks)
         del runners, initial, batches
         gc.collect()

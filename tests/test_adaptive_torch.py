@@ -531,3 +531,28 @@ def test_cuda_factors_beyond_fp16_range_are_applied_in_float32(factor):
     got = multiply(g, torch.tensor(factor, device="cuda"))
     expected = (g.double() * factor).half()
     assert got.dtype == torch.float16 and torch.equal(got, expected)
+
+
+def test_the_fused_refresh_gives_the_factors_and_gradients_of_the_reference_path():
+    """The compiled refresh (statistics and factor math fused by Inductor; what CUDA runs by default) computes the
+    same factors, scales and gradients as the plain device path, on the same inputs."""
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = MLP(64, [32, 32], 10)
+        with device_scalars():
+            scaler = LossScaler(model, "adaptive", fused=fused)
+            x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y) * 1e-4
+                scaler.scale(loss).backward()
+                scaler.update()
+        n = len(scaler.state.names)
+        results.append(({k: scaler.state.arrays[k][:n].clone() for k in ("unbound", "factor", "weight_factor",
+                                                                           "weight_scale")}, grads(model)))
+    (plain_arrays, plain_grads_), (fused_arrays, fused_grads) = results
+    for name, value in plain_arrays.items():
+        torch.testing.assert_close(fused_arrays[name], value, rtol=1e-6, atol=0, msg=name)
+    assert_same_grads(fused_grads, plain_grads_, rtol=0, atol=0)

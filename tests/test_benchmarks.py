@@ -20,12 +20,21 @@ def run_benchmarks(*args: str) -> subprocess.CompletedProcess:
 
 def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    done = run_benchmarks("--quick", "--no-memory", "--models", "mlp", "--json", str(out))
+    done = run_benchmarks("--quick", "--no-memory", "--launches", "--models", "mlp", "--json", str(out))
     assert done.returncode == 0, done.stderr
     for variant in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100"):
         assert re.search(rf"^{variant}\s+[\d.]+\s+[\d.]+", done.stdout, re.M), done.stdout
-    timing = json.loads(out.read_text())["models"]["mlp"]["timing"]
+    results = json.loads(out.read_text())["models"]["mlp"]
+    timing = results["timing"]
     assert timing["gradscaler"]["ratio"] == 1.0 and timing["adaptive-1"]["ratio"] > 0
+    # The GPU-cost proxy: the one host read is GradScaler's skip decision (adaloss reads its flag and the loss in
+    # one transfer, not counted as an ATen read); the compiled refresh launches fewer kernels than the eager one.
+    launches = results["launches"]
+    assert launches["gradscaler"]["host_reads"] == 1
+    assert all(launches[v]["host_reads"] == 0 for v in ("adaptive-1", "adaptive-100", "adaptive-1-fused"))
+    assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
+    assert launches["adaptive-1-fused"]["launches"] < launches["adaptive-1"]["launches"]
+    assert "operations per step on the CUDA code path" in done.stdout
 
 
 def test_chainer_benchmark_runs_through_the_same_command():

@@ -12,27 +12,33 @@ the outgoing scale, and returns the multipliers the backend applies. Nothing rea
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from .adaptive import (MAX_ACCUMULATED_SCALE, _bound, _branch_common_scale, _floor_power_of_two, _statistics_of,
                        _unbound_factor)
-from .range_bounds import _output_factor, _weight_gradient_bound
+from .range_bounds import _output_factor, _weight_gradient_bound, abs_sum_max
+
+_SCALAR_TYPES = (int, float, np.generic)
 from .array_ops import ops_for
 
-__all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step"]
+__all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refresh_factors"]
 
 
 def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
-                     axes: tuple[int, int] | None = None, x_bound: Any = None) -> tuple[Any, Any, Any] | None:
+                     axes: tuple[int, int] | None = None, x_bound: Any = None, x_axis: int = -1,
+                     refresh: Callable[..., tuple] | None = None) -> tuple[Any, Any, Any] | None:
     """One scale point's backward bookkeeping: returns (s, s_w, A_w), or None in measure-only mode (where the
     scale passes through unchanged and the layer's gradients are left as they are).
 
     ``s`` multiplies gy for the input gradient, which then carries A * s (written to ``in_slot``); ``s_w``
     multiplies gy for the weight (and bias) gradient, which then carries A_w = A * s_w: the backend divides it by
     A_w. On refresh iterations the statistics come from gy, ``weight`` (the layer's weight or its
-    :func:`~.adaptive.weight_statistics`) and ``x_bound`` (:func:`~.range_bounds.abs_sum_max` of the layer input
-    over its summed positions; None: the weight gradient shares s). All three values are 0-d device arrays, or
-    float32 scalars for arrays in host memory.
+    :func:`~.adaptive.weight_statistics`) and ``x_bound`` (the layer input, whose feature axis is ``x_axis``, or
+    its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_factors`
+    or ``refresh``, a drop-in replacement of it (a compiled one, whose statistics and factor math run as a few
+    fused kernels). All values are 0-d device arrays, or float32 scalars for arrays in host memory.
     """
     table, unbound, factors, weight_unbound, weight_factors, weight_scales = state.scale_arrays()
     if state.reuse:
@@ -41,24 +47,50 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     if not state.adaptive:
         table[in_slot] = accum
         return None
-    opts = state.options
+    origin = table[state.origin_slot]
+    if state.refresh:
+        compute = refresh or refresh_factors
+        values = compute(gy, weight, x_bound, accum, origin, fan=fan, axes=axes, x_axis=x_axis,
+                         options=state.options, headroom=state.headroom)
+        unbound[index], weight_unbound[index] = values[0], values[1]
+    else:
+        ops = ops_for(gy)
+        with ops.quiet():
+            values = _bounded(ops.scalars, unbound[index], weight_unbound[index], accum, origin, state.options)
+    factor, weight_factor, in_scale, weight_scale = values[-4:]
+    factors[index] = factor
+    weight_factors[index] = weight_factor
+    table[in_slot] = in_scale
+    weight_scales[index] = weight_scale
+    return factor, weight_factor, weight_scale
+
+
+def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any, *, fan: int,
+                    axes: tuple[int, int] | None, x_axis: int, options: Any, headroom: float) -> tuple:
+    """The whole statistics-and-factor computation of one scale point on a refresh, as a pure function:
+    (unbound, weight_unbound, factor, weight_factor, A * factor, A * weight_factor) from gy (scale ``accum``),
+    the weight (or its statistics), the layer input (or its :func:`~.range_bounds.abs_sum_max`, or None) and the
+    output point's scale ``origin``. Written once for every backend; a backend may compile it as it is."""
     ops = ops_for(gy)
     sops = ops.scalars
     with ops.quiet():
-        if state.refresh:
-            statistics = _statistics_of(weight, opts, axes)
-            unbound[index] = _unbound_factor(ops, gy, statistics, fan, opts, state.headroom)
-            separate = opts.exact_bounds and x_bound is not None
-            u_max = opts.range_for(gy.dtype)[1] * state.headroom
-            weight_unbound[index] = (_weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max) if separate
-                                     else sops.const(float("inf")))
-        factor = _bound(sops, unbound[index], accum / table[state.origin_slot], accum, opts)
-        weight_factor = _weight_factor(sops, factor, weight_unbound[index], accum, opts)
-        factors[index] = factor
-        weight_factors[index] = weight_factor
-        table[in_slot] = accum * factor
-        weight_scales[index] = weight_scale = accum * weight_factor
-    return factor, weight_factor, weight_scale
+        unbound = _unbound_factor(ops, gy, _statistics_of(weight, options, axes), fan, options, headroom)
+        if options.exact_bounds and x_bound is not None:
+            if not isinstance(x_bound, _SCALAR_TYPES) and getattr(x_bound, "ndim", 0) > 0:
+                x_bound = abs_sum_max(ops_for(x_bound), x_bound, x_axis)
+            u_max = options.range_for(gy.dtype)[1] * headroom
+            weight_unbound = _weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max)
+        else:
+            weight_unbound = sops.const(float("inf"))
+        return (unbound, weight_unbound) + _bounded(sops, unbound, weight_unbound, accum, origin, options)
+
+
+def _bounded(sops: Any, unbound: Any, weight_unbound: Any, accum: Any, origin: Any, options: Any) -> tuple:
+    """(factor, weight_factor, A * factor, A * weight_factor): the caps and the power-of-two floor applied with
+    the current accumulated scales (what steps between refreshes recompute when anything changed)."""
+    factor = _bound(sops, unbound, accum / origin, accum, options)
+    weight_factor = _weight_factor(sops, factor, weight_unbound, accum, options)
+    return factor, weight_factor, accum * factor, accum * weight_factor
 
 
 def _weight_factor(sops: Any, factor: Any, bound: Any, accum: Any, opts: Any) -> Any:

@@ -29,8 +29,6 @@ import numpy as np
 from adaloss_cli.backends.base import OUTPUT_RECORD
 from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS, AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import underflow_fraction
-from adaloss_cli.core.array_ops import ops_for
-from adaloss_cli.core.range_bounds import abs_sum_max
 from adaloss_cli.core.scale_steps import branch_scale_step, layer_scale_step, output_scale_step
 from adaloss_cli.core.scale_schedule import ScaleSchedule
 
@@ -182,16 +180,14 @@ class ScalePoint:
         if state.reference_pass:
             return None, None
         options = state.options
-        x_bound = None
+        x_input = None
         if state.refresh and state.adaptive:
             if weight is None:
                 weight = self.parameter.array
-            if options.exact_bounds and x is not None:
-                ops = ops_for(x)
-                with ops.quiet():
-                    x_bound = abs_sum_max(ops, x, 1)
+            if options.exact_bounds:
+                x_input = x
         result = layer_scale_step(state, self.index, self.in_slot, out_slot, gy, weight, self.fan, self.axes,
-                                  x_bound)
+                                  x_input, 1)
         if result is None:  # measure-only: the weight gradient carries the incoming scale
             state.table[self.weight_slot] = state.table[out_slot]
             return None, None

@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS, weight_statistics
+from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
 from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
-from adaloss_cli.core.array_ops import ops_for
-from adaloss_cli.core.range_bounds import abs_sum_max
 from adaloss_cli.core.scale_steps import layer_scale_step
 
 from .scale_ops import divide_to, multiply
@@ -141,17 +139,14 @@ class ScalePoint(nn.Module):
 
     def _factors(self, execution: Execution, gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
                  master: torch.Tensor, needs_w: bool) -> tuple | None:
-        statistics = x_bound = None
+        weight = x_input = None
         options = execution.options
         if execution.refresh and execution.adaptive:
-            source = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
-            statistics = weight_statistics(source, options, self.axes)
-            if needs_w and options.exact_bounds and x is not None:
-                ops = ops_for(x)
-                with ops.quiet():
-                    x_bound = abs_sum_max(ops, x, self.x_axis)
-        return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, statistics, self.fan,
-                                self.axes, x_bound)
+            weight = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
+            if needs_w and options.exact_bounds:
+                x_input = x
+        return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
+                                self.axes, x_input, self.x_axis, self.state.fused_refresh)
 
     def _record(self, execution: Execution, gx: torch.Tensor) -> None:
         """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32

@@ -38,20 +38,25 @@ from .scale_state import Execution, GraphPlan, ScaleState
 __all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "multiply"]
 
 
-def multiply(g: torch.Tensor, factor: Any, scratch: torch.Tensor | None = None) -> torch.Tensor:
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
     """g times a factor from the core, formed in float32 and rounded once to g's dtype (never the factor cast to
     g's dtype: 2**16 would become inf and 3 * 2**-25 zero in fp16). A host factor of 1, or None, returns g itself.
 
     A device factor (0-d float32 tensor) goes through torch's fused GradScaler kernel, which multiplies in float32
-    by construction; ``scratch`` receives its non-finite flag (ignored here: overflow is checked on the parameter
-    gradients)."""
+    by construction (a plain ``g * factor`` casts a 0-d device factor to g's dtype first); its non-finite flag goes
+    to a scratch tensor kept per device (overflow is checked on the parameter gradients)."""
     if factor is None:
         return g
     if isinstance(factor, torch.Tensor):
         if g.dtype == torch.float32:
             return g * factor
         out = g.clone()
-        flag = scratch if scratch is not None else torch.zeros(1, device=g.device)
+        flag = _FLAGS.get(g.device)
+        if flag is None:
+            flag = _FLAGS[g.device] = torch.zeros(1, device=g.device)
         torch._amp_foreach_non_finite_check_and_unscale_([out], flag, factor.reshape(1))
         return out
     value = float(factor)

@@ -57,6 +57,8 @@ class ScaleState(ScaleSchedule):
         self.note_origin_scale(self.loss_scale)
         #: Compute dtype for the pure (non-autocast) low-precision path: casts happen inside the graph.
         self.pure_dtype: torch.dtype | None = None
+        #: A compiled ``refresh_factors`` (see :meth:`use_fused_refresh`), or None for the plain one.
+        self.fused_refresh: Any = None
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
         #: Each point's operation kind and fan, for the printed table.
@@ -118,6 +120,24 @@ class ScaleState(ScaleSchedule):
     def cache_view(self, name: str) -> Any:
         """:meth:`cache` as the factor math uses it."""
         return host_view(self.cache(name))
+
+    def use_fused_refresh(self, enabled: bool) -> None:
+        """Run each scale point's refresh (statistics of gy, W and x, and the factor math) as one compiled function
+        (torch.compile, Inductor): a few fused kernels instead of dozens of 0-d operations. Only the device path
+        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles."""
+        from adaloss_cli.core.array_ops import ops_for
+        from adaloss_cli.core.scale_steps import refresh_factors
+
+        if not enabled:
+            self.fused_refresh = None
+            return
+        compiled = torch.compile(refresh_factors, fullgraph=True, dynamic=True)
+
+        def fused(gy: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+            ops_for(gy)  # made outside the compiled region: creating it imports modules, which Dynamo cannot trace
+            return compiled(gy, *args, **kwargs)
+
+        self.fused_refresh = fused
 
     # -- graphs and executions -------------------------------------------------------------------------------------
 

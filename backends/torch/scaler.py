@@ -72,6 +72,9 @@ class LossScaler:
             ``loss_scale_method="abs_range"`` for adaptive.
         enabled: False makes every call a pass-through (``scale`` returns the loss, ``step`` calls
             ``optimizer.step()``), as ``GradScaler(enabled=False)``: call sites need no ``if``.
+        fused: adaptive only: run each layer's refresh (statistics and factor math) as one torch.compile'd
+            function, a few fused kernels instead of dozens of tiny ones. None (default): on CUDA only; on CPU the
+            factor math runs on host scalars, which is cheaper still.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -80,7 +83,8 @@ class LossScaler:
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 enabled: bool = True, process_group: Any = None, **options: Any) -> None:
+                 enabled: bool = True, process_group: Any = None, fused: bool | None = None,
+                 **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
@@ -92,8 +96,9 @@ class LossScaler:
         self._measuring_state: ScaleState | None = None
         self.stepped = False
         if self.method == "adaptive" and self.enabled:
-            self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale,
-                                    _device_of(model))
+            device = _device_of(model)
+            self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale, device)
+            self.state.use_fused_refresh(device.type == "cuda" if fused is None else fused)
             install(model, self.state)
         self._found_inf: torch.Tensor | None = None
         self._model_ids: frozenset[int] | None = None

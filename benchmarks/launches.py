@@ -1,0 +1,95 @@
+"""A CPU-measurable proxy for GPU step cost: operations and kernel launches per training step of each variant.
+
+On a GPU a small model's adaptive step is bound by what the host launches, not by arithmetic; the number of kernel
+launches per step is what the CUDA path spends. Counting them needs no GPU: the variants run the device code path
+(``adaloss_cli.core.array_ops.device_scalars``: 0-d tensors, never read back, exactly what CUDA runs) on CPU
+tensors under ``torch.profiler``, and
+
+- ``ops``: every ATen operation dispatched in one step (forward, backward, scale logic, unscale, optimizer);
+- ``launches``: the leaf operations that do work (ATen operations with no ATen operation inside them, less views,
+  metadata and allocations): each launches at least one CUDA kernel. For the fused variant (``adaptive-1-fused``,
+  the compiled refresh that CUDA runs by default), each call of a compiled region adds the kernels Inductor
+  generated for it (``torch._inductor.metrics``), averaged over its compiled graphs;
+- ``host_reads``: values read back to the host (the one skip decision, as GradScaler).
+
+It is a proxy: it does not see launch latency or kernel duration, but it moves with every change that adds or
+removes work from the step, on every machine. ``python -m benchmarks --launches`` prints it (also in the JSON).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+# ATen operations that launch no kernel: views, metadata, allocations.
+_NO_KERNEL = frozenset({
+    "view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "detach", "alias", "slice", "select",
+    "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias", "reshape", "view_as",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_", "resize_",
+    "result_type", "is_nonzero", "size", "stride", "numel", "_nnpack_available", "promote_types", "resolve_conj",
+    "resolve_neg", "_local_scalar_dense", "item"})
+#: The extra variant this module adds: adaptive-1 with the compiled (fused) refresh.
+FUSED = "adaptive-1-fused"
+
+
+def count_step(step: Any) -> dict[str, Any]:
+    """Operations, launches and host reads of one call of ``step()`` (see the module docstring)."""
+    import torch
+    from torch._inductor import metrics
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+    leaves: Counter = Counter()
+    ops = reads = compiled_calls = 0
+    for event in events:
+        if event.name == "AOTDispatcher Runtime Wrapper Prologue":  # one call of an Inductor-compiled region
+            compiled_calls += 1
+        if not event.name.startswith("aten::"):
+            continue
+        ops += 1
+        name = event.name[len("aten::"):]
+        reads += name == "_local_scalar_dense"
+        if name not in _NO_KERNEL and not any(c.name.startswith("aten::") for c in event.cpu_children):
+            leaves[name] += 1
+    per_graph = getattr(metrics, "generated_kernel_count", 0) / max(getattr(metrics, "_adaloss_graphs", 0), 1)
+    return {"ops": ops, "launches": sum(leaves.values()) + round(compiled_calls * per_graph),
+            "host_reads": reads, "top": leaves.most_common(8)}
+
+
+def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
+    """Per variant (plus the fused adaptive-1), the counts of one step after three warm-up steps."""
+    import torch
+    from torch._inductor import metrics
+
+    from adaloss_cli.core.array_ops import device_scalars
+    from benchmarks.workloads import Runner, build_initial
+
+    initial, batches = build_initial(work, "cpu")
+    results = {}
+    graphs = torch._dynamo.utils.counters["stats"]
+    with device_scalars():
+        for name in list(variants) + [FUSED]:
+            runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu")
+            runner.step(*batches[0])  # the model's own capture, before anything is counted
+            if name == FUSED:
+                runner.scaler.state.use_fused_refresh(True)
+                metrics.reset()
+                before = graphs["unique_graphs"]
+            for k in range(3):
+                runner.step(*batches[k % len(batches)])
+            if name == FUSED:  # the refresh graphs compiled during the warm-up, for kernels per graph
+                metrics._adaloss_graphs = graphs["unique_graphs"] - before
+            results[name] = count_step(lambda: runner.step(*batches[0]))
+    return results
+
+
+def report(model: str, counts: dict[str, dict[str, Any]], reference: str) -> None:
+    """Print the counts and their ratios to the reference variant."""
+    base = counts[reference]
+    print(f"\n{model}: operations per step on the CUDA code path (counted on CPU; a proxy for launch-bound GPU time)")
+    print(f"  {'variant':<18} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}")
+    for name, c in counts.items():
+        print(f"  {name:<18} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
+              f"{c['host_reads']:>11}")
