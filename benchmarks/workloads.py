@@ -41,6 +41,8 @@ _DEFAULTS: dict[tuple[str, str], dict[str, Workload]] = {
     ("cuda", "default"): {
         "mlp": Workload("mlp", (1, 28, 28), 256, warmup=20, steps=50, repeats=5, hidden_sizes=(128, 128)),
         "resnet20": Workload("resnet20", (3, 32, 32), 128, warmup=10, steps=25, repeats=5, width=16),
+        # The models: torchvision-style ResNet-50 on ImageNet-sized images.
+        "resnet50": Workload("resnet50", (3, 224, 224), 64, warmup=10, steps=30, repeats=3),
     },
     ("cpu", "quick"): {
         "mlp": Workload("mlp", (1, 8, 8), 16, warmup=1, steps=4, repeats=1, hidden_sizes=(32, 32), memory_steps=2),
@@ -114,7 +116,11 @@ def build_initial(work: Workload, device: str, seed: int = 0):
     if work.width is not None:
         cfg["width"] = work.width
     torch.manual_seed(seed)
-    model = build_model(ModelConfig(**cfg), tuple(work.input_shape), NUM_CLASSES).to(device)
+    if work.model == "resnet50":  # not in the CLI's zoo: the benchmark's ImageNet-style reference model
+        from adaloss_cli.backends.torch.models import resnet50_torchvision_style
+        model = resnet50_torchvision_style(NUM_CLASSES, work.input_shape[0]).to(device)
+    else:
+        model = build_model(ModelConfig(**cfg), tuple(work.input_shape), NUM_CLASSES).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
     xs = torch.randn((DATA_BATCHES, work.batch_size, *work.input_shape), generator=gen)
     ys = torch.randint(0, NUM_CLASSES, (DATA_BATCHES, work.batch_size), generator=gen)

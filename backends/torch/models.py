@@ -18,7 +18,8 @@ from adaloss_cli.config.schema import ModelConfig
 from adaloss_cli.errors import UserError
 
 __all__ = ["MODEL_BUILDERS", "MLP", "SimpleCNN", "BasicBlock", "CifarResNet", "VGG", "TorchvisionBasicBlock",
-           "ResNet18", "build_model", "describe_model", "resnet18_torchvision_style"]
+           "TorchvisionBottleneck", "ResNet18", "build_model", "describe_model", "resnet18_torchvision_style",
+           "resnet50_torchvision_style"]
 
 InputShape = tuple[int, int, int]
 
@@ -192,33 +193,59 @@ class TorchvisionBasicBlock(nn.Module):
         return self.relu(out)
 
 
-class ResNet18(nn.Module):
-    """torchvision's resnet18 layout: conv7x7/2+BN+ReLU+maxpool stem, BasicBlocks [2, 2, 2, 2] with 64..512
-    channels, global average pool, ``fc``."""
+class TorchvisionBottleneck(nn.Module):
+    """torchvision's Bottleneck (ResNet-50 and deeper): 1x1, 3x3 (strided), 1x1 expanding by 4, BN after each."""
 
-    def __init__(self, num_classes: int = 1000, in_channels: int = 3):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet18(nn.Module):
+    """torchvision's ResNet layout: conv7x7/2+BN+ReLU+maxpool stem, four stages of ``block`` (BasicBlocks [2, 2, 2,
+    2] for ResNet-18 by default; Bottlenecks [3, 4, 6, 3] for ResNet-50) with 64..512 planes, average pool, ``fc``."""
+
+    def __init__(self, num_classes: int = 1000, in_channels: int = 3, block: type = TorchvisionBasicBlock,
+                 layers: Sequence[int] = (2, 2, 2, 2)):
         super().__init__()
         self.inplanes = 64
         self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(64, 2)
-        self.layer2 = self._make_layer(128, 2, stride=2)
-        self.layer3 = self._make_layer(256, 2, stride=2)
-        self.layer4 = self._make_layer(512, 2, stride=2)
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
         _kaiming_init(self)
 
-    def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+    def _make_layer(self, block: type, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
         downsample = None
-        if stride != 1 or self.inplanes != planes:
-            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False),
-                                       nn.BatchNorm2d(planes))
-        layers = [TorchvisionBasicBlock(self.inplanes, planes, stride, downsample)]
-        self.inplanes = planes
-        layers += [TorchvisionBasicBlock(planes, planes) for _ in range(1, blocks)]
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride=stride,
+                                                 bias=False), nn.BatchNorm2d(planes * block.expansion))
+        layers = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +255,14 @@ class ResNet18(nn.Module):
 
 
 def resnet18_torchvision_style(num_classes: int, in_channels: int = 3) -> ResNet18:
-    """A torchvision-style ResNet-18 (11.69M parameters at 1000 classes), for testing the fx transform."""
+    """A torchvision-style ResNet-18 (11.69M parameters at 1000 classes), for testing the transform."""
     return ResNet18(num_classes, in_channels)
+
+
+def resnet50_torchvision_style(num_classes: int, in_channels: int = 3) -> ResNet18:
+    """A torchvision-style ResNet-50 (25.56M parameters at 1000 classes), for the GPU benchmark (no torchvision
+    needed: there is no CPU build of it here)."""
+    return ResNet18(num_classes, in_channels, TorchvisionBottleneck, (3, 4, 6, 3))
 
 
 def _resnet(depth: int) -> Callable[[ModelConfig, InputShape, int], nn.Module]:
