@@ -102,6 +102,21 @@ class ScaleState(ScaleSchedule):
         self.arrays = grown
         self._views = {}
 
+    def to(self, device: torch.device | str) -> None:
+        """Keep every tensor of the state on ``device``: where the model's parameters are when a graph is captured.
+        A model moved after its scaler was built (``model.cuda()`` after ``LossScaler(model, ...)``; Lightning,
+        Fabric and accelerate move the model after the scaler is attached) takes its scales along."""
+        device = torch.device(device)
+        if device == self.device:
+            return
+        self.device = device
+        self.arrays = {name: array.to(device) for name, array in self.arrays.items()}
+        self._views = {}
+        self.caches = {name: value.to(device) for name, value in self.caches.items()}
+        for plan in self.graphs.values():
+            if plan.template is not None:
+                plan.template = plan.template.to(device)
+
     def cache(self, name: str) -> torch.Tensor:
         """The 0-d float32 cache of an output, branch or join point (created at 1)."""
         found = self.caches.get(name)
