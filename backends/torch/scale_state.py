@@ -200,11 +200,13 @@ class ScaleState(ScaleSchedule):
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def state_dict_values(self) -> dict[str, Any]:
-        """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs."""
+        """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs. Copies,
+        never views of the live state (``.cpu()`` of a CPU tensor is the tensor itself): a snapshot kept in memory
+        or written by a background thread (Lightning's AsyncCheckpointIO) must not change with the next step."""
         n = len(self.names)
         return {"iteration": self.iteration, "names": list(self.names), "headroom": self.headroom,
-                **{name: self.arrays[name][:n].cpu() for name in _POINT_ARRAYS},
-                "caches": {name: value.cpu() for name, value in self.caches.items()}}
+                **{name: self.arrays[name][:n].to("cpu", copy=True) for name in _POINT_ARRAYS},
+                "caches": {name: value.to("cpu", copy=True) for name, value in self.caches.items()}}
 
     def load_state_values(self, values: dict[str, Any]) -> None:
         """Restore :meth:`state_dict_values`; points are matched by name (they are registered as needed)."""

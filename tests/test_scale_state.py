@@ -1,6 +1,11 @@
-"""An adaptive scaler built before the model moves to its device (``LossScaler(model)`` then ``model.cuda()``; Lightning,
-Fabric and accelerate move the model after the scaler is attached): the scale state follows the model when its graph
-is captured. CPU only, so a second device is stood in for by ``meta`` (no data, but every tensor says where it is)."""
+"""The adaptive scale state as frameworks hand it around.
+
+- Built before the model moves to its device (``LossScaler(model)`` then ``model.cuda()``; Lightning, Fabric and
+  accelerate move the model after the scaler is attached): the state follows the model when its graph is captured.
+  CPU only, so a second device is stood in for by ``meta`` (no data, but every tensor says where it is).
+- ``state_dict()`` is a snapshot: frameworks keep it (in memory, or written by a background thread) while training
+  goes on.
+"""
 
 from __future__ import annotations
 
@@ -40,3 +45,16 @@ def test_the_state_follows_the_model_to_its_device_when_the_graph_is_captured():
     _one_step(scaler)
     assert scaler.state.device == torch.device("cpu")
     assert scaler.stepped and len(scaler.state.names) == 2
+
+
+def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone():
+    scaler = LossScaler(MLP(16, [8], 3), "adaptive")
+    _one_step(scaler)
+    snapshot = scaler.state_dict()["layers"]
+    kept = {name: value.clone() for name, value in snapshot.items() if isinstance(value, torch.Tensor)}
+    caches = {name: value.clone() for name, value in snapshot["caches"].items()}
+    for _ in range(3):
+        _one_step(scaler)
+    assert not torch.equal(scaler.state_dict()["layers"]["weight_unbound"], kept["weight_unbound"])  # it moved on
+    assert all(torch.equal(snapshot[name], value) for name, value in kept.items())
+    assert all(torch.equal(snapshot["caches"][name], value) for name, value in caches.items())
