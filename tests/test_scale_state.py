@@ -2,7 +2,8 @@
 
 - Built before the model moves to its device (``LossScaler(model)`` then ``model.cuda()``; Lightning, Fabric and
   accelerate move the model after the scaler is attached): the state follows the model when its graph is captured.
-  CPU only, so a second device is stood in for by ``meta`` (no data, but every tensor says where it is).
+  CPU only, so a second device is stood in for by ``meta`` (no data, but every tensor says where it is). The
+  default fused refresh (on CUDA only) is decided again for the device it moves to.
 - ``state_dict()`` is a snapshot: frameworks keep it (in memory, or written by a background thread) while training
   goes on.
 """
@@ -58,3 +59,16 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone():
     assert not torch.equal(scaler.state_dict()["layers"]["weight_unbound"], kept["weight_unbound"])  # it moved on
     assert all(torch.equal(snapshot[name], value) for name, value in kept.items())
     assert all(torch.equal(snapshot["caches"][name], value) for name, value in caches.items())
+
+
+def test_the_default_fused_refresh_is_decided_again_for_the_device_the_state_moves_to():
+    state = LossScaler(MLP(16, [8], 3), "adaptive").state  # built on the CPU: the plain refresh on host scalars
+    assert state.fused_refresh is None
+    state.device = torch.device("cuda")  # stands in for a CUDA device (nothing is allocated on it)
+    state.use_fused_refresh(None)
+    assert state.fused_refresh is not None
+    state.to("meta")  # a move decides the default again
+    assert state.fused_refresh is None
+    chosen = LossScaler(MLP(16, [8], 3), "adaptive", fused=True).state
+    chosen.to("meta")
+    assert chosen.fused_refresh is not None  # a choice made by the user stays

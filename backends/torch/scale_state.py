@@ -59,6 +59,7 @@ class ScaleState(ScaleSchedule):
         self.pure_dtype: torch.dtype | None = None
         #: A compiled ``refresh_factors`` (see :meth:`use_fused_refresh`), or None for the plain one.
         self.fused_refresh: Any = None
+        self._fused_choice: bool | None = False
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
         #: Each point's operation kind and fan, for the printed table.
@@ -116,6 +117,8 @@ class ScaleState(ScaleSchedule):
         for plan in self.graphs.values():
             if plan.template is not None:
                 plan.template = plan.template.to(device)
+        if self._fused_choice is None:  # the default: fused on CUDA, so decided again for the new device
+            self.use_fused_refresh(None)
 
     def cache(self, name: str) -> torch.Tensor:
         """The 0-d float32 cache of an output, branch or join point (created at 1)."""
@@ -136,13 +139,17 @@ class ScaleState(ScaleSchedule):
         """:meth:`cache` as the factor math uses it."""
         return host_view(self.cache(name))
 
-    def use_fused_refresh(self, enabled: bool) -> None:
+    def use_fused_refresh(self, enabled: bool | None) -> None:
         """Run each scale point's refresh (statistics of gy, W and x, and the factor math) as one compiled function
         (torch.compile, Inductor): a few fused kernels instead of dozens of 0-d operations. Only the device path
-        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles."""
+        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles.
+        None: on CUDA only, decided again when the state moves (:meth:`to`)."""
         from adaloss_cli.core.array_ops import ops_for
         from adaloss_cli.core.scale_steps import refresh_factors
 
+        self._fused_choice = enabled
+        if enabled is None:
+            enabled = self.device.type == "cuda"
         if not enabled:
             self.fused_refresh = None
             return
