@@ -139,7 +139,7 @@ class AdalossPrecision(_LossScalerFromModule, _TrainerMixedPrecision):
             said = _SUBMODULE_HINT in str(err)  # a step's forward runs inside optimizer_step
             if self.method != "adaptive" or said or not (isinstance(err, TransformError) or bypassed):
                 raise
-            raise type(err)(f"{err}. {_SUBMODULE_HINT}") from None
+            raise type(err)(f"{err}. {_SUBMODULE_HINT}").with_traceback(err.__traceback__) from None
 
 
 class AdalossFabricPrecision(_LossScalerFromModule, _FabricMixedPrecision):
