@@ -26,8 +26,11 @@ $(VENV)/.installed-chainer: $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-build-isolation -e '.[chainer]'
 	touch $@
 
+# The test extra holds Lightning, accelerate and transformers, which depend on torch: the constraints file keeps
+# the pinned torch (and pip from fetching a CUDA build) whatever they ask for.
 $(VENV)/.installed-test: $(VENV)/.installed-chainer
-	$(BIN)/pip install --quiet -e '.[test]'
+	echo '$(TORCH)' > $(VENV)/constraints.txt
+	$(BIN)/pip install --quiet --constraint $(VENV)/constraints.txt -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed-chainer

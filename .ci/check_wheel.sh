@@ -13,7 +13,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 TORCH="torch==2.13.0"     # an unpinned torch pulls the newest CUDA build (gigabytes); DESIGN.md section 5
-EXTRA_PACKAGES=()         # e.g. (lightning accelerate) for their examples
+EXTRA_PACKAGES=(lightning accelerate transformers)   # for the README's framework examples
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/adaloss-wheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/logs"
@@ -75,6 +75,11 @@ check "adaloss train --nproc-per-node 2" adaloss train --config digits --set tra
 cd "$WORK"
 check "adaloss validate by name, outside the repository" adaloss validate digits sweeps/digits
 check "README library example, outside the repository" run_readme "As a library"
+# Outside the repository only: Lightning writes lightning_logs/ and the Trainer trainer_output/ where they run.
+check "README Lightning example" run_readme "Lightning"
+check "README Fabric example" run_readme "Fabric"
+check "README accelerate example" run_readme "accelerate"
+check "README transformers.Trainer example" run_readme "transformers.Trainer"
 
 echo "wheel check: ${passed} of $((passed + ${#failed[@]})) checks passed"
 [ ${#failed[@]} -eq 0 ]

@@ -46,6 +46,10 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
     buffers = {id(b) for b in model.buffers()}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        # Capture time, not step time: a model moved to another device is recaptured (Dynamo guards on it).
+        first = next(model.parameters(), None)
+        if first is not None:
+            state.to(first.device)
         return transform_graph(gm, example_inputs, state, names, buffers).forward
 
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -174,9 +174,15 @@ def _module_path(dynamo_path: str) -> str:
 # -- inserting points ----------------------------------------------------------------------------------------------
 
 def _insert_begin(gm: fx.GraphModule, adaloss: AdalossGraph, state: ScaleState) -> fx.Node:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    """The node that starts an execution and reads the autocast state it computes in: after the inputs and after an
+    autocast region that opens the forward (accelerate wraps ``model.forward`` in ``torch.autocast``), so that the
+    region's dtype is the one the scale points cast to."""
     adaloss.begin = Begin(state, GraphPlan(key=-1, num_slots=1))
-    anchor = placeholders[-1] if placeholders else None
+    anchor = None
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and node.target is not torch.amp.autocast_mode._enter_autocast:
+            break
+        anchor = node
     with (gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before()):
         return gm.graph.call_module("adaloss.begin", ())
 

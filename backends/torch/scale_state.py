@@ -59,6 +59,7 @@ class ScaleState(ScaleSchedule):
         self.pure_dtype: torch.dtype | None = None
         #: A compiled ``refresh_factors`` (see :meth:`use_fused_refresh`), or None for the plain one.
         self.fused_refresh: Any = None
+        self._fused_choice: bool | None = False
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
         #: Each point's operation kind and fan, for the printed table.
@@ -102,6 +103,23 @@ class ScaleState(ScaleSchedule):
         self.arrays = grown
         self._views = {}
 
+    def to(self, device: torch.device | str) -> None:
+        """Keep every tensor of the state on ``device``: where the model's parameters are when a graph is captured.
+        A model moved after its scaler was built (``model.cuda()`` after ``LossScaler(model, ...)``; Lightning,
+        Fabric and accelerate move the model after the scaler is attached) takes its scales along."""
+        device = torch.device(device)
+        if device == self.device:
+            return
+        self.device = device
+        self.arrays = {name: array.to(device) for name, array in self.arrays.items()}
+        self._views = {}
+        self.caches = {name: value.to(device) for name, value in self.caches.items()}
+        for plan in self.graphs.values():
+            if plan.template is not None:
+                plan.template = plan.template.to(device)
+        if self._fused_choice is None:  # the default: fused on CUDA, so decided again for the new device
+            self.use_fused_refresh(None)
+
     def cache(self, name: str) -> torch.Tensor:
         """The 0-d float32 cache of an output, branch or join point (created at 1)."""
         found = self.caches.get(name)
@@ -121,13 +139,17 @@ class ScaleState(ScaleSchedule):
         """:meth:`cache` as the factor math uses it."""
         return host_view(self.cache(name))
 
-    def use_fused_refresh(self, enabled: bool) -> None:
+    def use_fused_refresh(self, enabled: bool | None) -> None:
         """Run each scale point's refresh (statistics of gy, W and x, and the factor math) as one compiled function
         (torch.compile, Inductor): a few fused kernels instead of dozens of 0-d operations. Only the device path
-        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles."""
+        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles.
+        None: on CUDA only, decided again when the state moves (:meth:`to`)."""
         from adaloss_cli.core.array_ops import ops_for
         from adaloss_cli.core.scale_steps import refresh_factors
 
+        self._fused_choice = enabled
+        if enabled is None:
+            enabled = self.device.type == "cuda"
         if not enabled:
             self.fused_refresh = None
             return
@@ -185,11 +207,13 @@ class ScaleState(ScaleSchedule):
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def state_dict_values(self) -> dict[str, Any]:
-        """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs."""
+        """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs. Copies,
+        never views of the live state (``.cpu()`` of a CPU tensor is the tensor itself): a snapshot kept in memory
+        or written by a background thread (Lightning's AsyncCheckpointIO) must not change with the next step."""
         n = len(self.names)
         return {"iteration": self.iteration, "names": list(self.names), "headroom": self.headroom,
-                **{name: self.arrays[name][:n].cpu() for name in _POINT_ARRAYS},
-                "caches": {name: value.cpu() for name, value in self.caches.items()}}
+                **{name: self.arrays[name][:n].to("cpu", copy=True) for name in _POINT_ARRAYS},
+                "caches": {name: value.to("cpu", copy=True) for name, value in self.caches.items()}}
 
     def load_state_values(self, values: dict[str, Any]) -> None:
         """Restore :meth:`state_dict_values`; points are matched by name (they are registered as needed)."""

@@ -98,7 +98,7 @@ class LossScaler:
         if self.method == "adaptive" and self.enabled:
             device = _device_of(model)
             self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale, device)
-            self.state.use_fused_refresh(device.type == "cuda" if fused is None else fused)
+            self.state.use_fused_refresh(fused)
             install(model, self.state)
         self._found_inf: torch.Tensor | None = None
         self._model_ids: frozenset[int] | None = None
