@@ -143,3 +143,14 @@ def test_mixed_precision_forward_runs_tied_weights_in_float16_and_sums_their_gra
     assert model.first.weight.dtype == torch.float32  # the master weight is untouched
     reference.half()(x.half()).float().sum().backward()
     torch.testing.assert_close(model.first.weight.grad, reference.first.weight.grad.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["autocast", "pure"])
+def test_mixed_precision_forward_leaves_integer_inputs_as_they_are(mode):
+    from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    ids = torch.tensor([[1, 2, 3]])
+    out = MixedPrecisionForward(model, "float16", mode)(model, ids)  # fp16 ids would break nn.Embedding
+    assert out.dtype == torch.float32 and out.shape == (1, 3, 3)
+    assert ids.dtype == torch.int64
