@@ -13,7 +13,7 @@ from typing import Any, Optional
 BACKENDS = ("torch", "chainer")
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "resnet110", "vgg")
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist")
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist", "text")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -78,17 +78,20 @@ class ModelConfig:
 class DataConfig:
     """Where the examples come from."""
     name: str = option("digits", "Dataset. digits ships with scikit-learn (offline); cifar10/cifar100/mnist are read "
-                       "from `root`; synthetic is random for tests.", choices=DATASETS)
+                       "from `root`; synthetic is random for tests; text is English prose that ships with Python "
+                       "(pydoc_data.topics, bytes as tokens) for model.name gpt.", choices=DATASETS)
     root: Optional[str] = option(None, "Folder of cifar10/cifar100 (python pickle batches) or mnist (idx files).")
-    val_fraction: float = option(0.2, "digits/synthetic: share of examples held out for validation.",
-                                 min=0.0, max=0.9, exclusive_min=True)
+    val_fraction: float = option(0.2, "digits/synthetic: share of examples held out for validation; text: share of "
+                                 "the corpus, from its end.", min=0.0, max=0.9, exclusive_min=True)
     augment: bool = option(True, "cifar: random pad-4 crop and horizontal flip on training images.")
-    normalize: bool = option(True, "Standardise inputs with the training set's per-channel mean and std.")
+    normalize: bool = option(True, "Images: standardise inputs with the training set's per-channel mean and std.")
     num_samples: int = option(512, "synthetic: number of examples.", min=2, max=SYNTHETIC_MAX_SAMPLES)
     num_classes: int = option(10, "synthetic: number of classes.", min=2, max=MAX_CLASSES)
     image_size: int = option(8, "synthetic: height and width of the (1-channel) images.", min=4,
                              max=SYNTHETIC_MAX_IMAGE_SIZE)
     limit_train: Optional[int] = option(None, "Use only the first N training examples (quick experiments).", min=1)
+    block_size: int = option(64, "text: tokens of context per example (the gpt's context length); each example "
+                             "predicts the next token at every one of them.", min=1)
 
 
 @dataclass(frozen=True)
