@@ -12,8 +12,11 @@ from typing import Any, Optional
 
 BACKENDS = ("torch", "chainer")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "resnet110", "vgg")
+MODELS = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "resnet110", "vgg", "gpt", "vit")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist", "text")
+#: Language models, and the datasets of token sequences they train on (every other pair is image classification).
+LANGUAGE_MODELS = ("gpt",)
+TEXT_DATASETS = ("text",)
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -28,6 +31,8 @@ SCALE_MAX = 1e38  # scales live in float32 tensors (largest finite value 3.4e38)
 # any real experiment. The model's total parameter count is bounded too, before it is built (adaloss_cli.limits).
 SEED_MAX = 2**32 - 1  # NumPy's legacy seeding (Chainer) takes 32-bit seeds
 WIDTH_MAX = 2**20
+DEPTH_MAX = 10_000  # Transformer blocks
+SEQUENCE_MAX = 2**20  # tokens of context
 MAX_STEPS = 10**9
 MAX_CLASSES = 100_000
 SYNTHETIC_MAX_SAMPLES = 10**7
@@ -69,9 +74,14 @@ class ModelConfig:
     name: str = option("mlp", "Architecture.", choices=MODELS)
     hidden_sizes: tuple = option(None, "MLP only: widths of the hidden layers.", item_type=int, min=1,
                                  max=WIDTH_MAX, default_factory=lambda: (128, 128))
-    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage).", min=1,
-                        max=WIDTH_MAX)
-    dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg).", min=0.0, max=1.0)
+    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage); gpt/vit: "
+                        "the embedding width (a multiple of `heads`).", min=1, max=WIDTH_MAX)
+    dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg); gpt/vit: on the "
+                            "embeddings, the attention weights and each residual branch.", min=0.0, max=1.0)
+    layers: int = option(2, "gpt/vit: number of Transformer blocks.", min=1, max=DEPTH_MAX)
+    heads: int = option(4, "gpt/vit: attention heads per block; must divide `width`.", min=1, max=WIDTH_MAX)
+    patch_size: int = option(4, "vit: side of the square image patches (the patch embedding's kernel and stride); "
+                             "must divide the image's height and width.", min=1, max=WIDTH_MAX)
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class DataConfig:
                              max=SYNTHETIC_MAX_IMAGE_SIZE)
     limit_train: Optional[int] = option(None, "Use only the first N training examples (quick experiments).", min=1)
     block_size: int = option(64, "text: tokens of context per example (the gpt's context length); each example "
-                             "predicts the next token at every one of them.", min=1)
+                             "predicts the next token at every one of them.", min=1, max=SEQUENCE_MAX)
 
 
 @dataclass(frozen=True)
