@@ -165,3 +165,16 @@ def test_a_killed_language_model_run_resumes_exactly(tmp_path):
     assert summaries[0] == summaries[1]
     for key, value in final_state(reference)["model"].items():
         assert value.equal(final_state(killed)["model"][key]), key
+
+
+@pytest.mark.filterwarnings("ignore:underflow is not measured")
+@pytest.mark.parametrize("name, model", [("gpt", "gpt"), ("vit", "vit")])
+def test_the_shipped_transformer_configs_train(invoke, tmp_path, name, model):
+    from adaloss_cli.configs import shipped_configs
+
+    out = tmp_path / "run"
+    result = invoke("train", "--config", shipped_configs()[name], "--out", out, "--quiet", "--device", "cpu",
+                    "--set", "training.iterations=2")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["model"], summary["precision"], summary["method"]) == (model, "float16", "dynamic")
