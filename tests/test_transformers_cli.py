@@ -36,12 +36,20 @@ def _train(invoke, tmp_path: Path, sections: dict, method: str) -> Path:
 
 
 def _metrics(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv", newline="") as handle:
+    return _csv(run / "metrics.csv")
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
         return list(csv.DictReader(handle))
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")  # until the adaptive capture handles Transformers
-@pytest.mark.parametrize("method", ["none", "dynamic"])
+def _scale_points(run: Path) -> set[str]:
+    """The layers of scales.csv: the model output and every scale point, on every method's recorded steps."""
+    return {row["layer"] for row in _csv(run / "scales.csv")}
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic", "adaptive"])
 def test_gpt_on_text_writes_perplexity_and_next_token_accuracy(invoke, tmp_path, method):
     run = _train(invoke, tmp_path, GPT, method)
     rows = _metrics(run)
@@ -54,19 +62,20 @@ def test_gpt_on_text_writes_perplexity_and_next_token_accuracy(invoke, tmp_path,
     assert summary["final_val_perplexity"] == pytest.approx(math.exp(summary["final_val_loss"]))
     assert summary["best_val_perplexity"] <= summary["final_val_perplexity"]
     assert summary["final_val_perplexity"] < 256  # better than a uniform guess over the bytes after 3 steps
+    assert _scale_points(run) == {"output", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0",
+                                  "blocks.0.mlp.2", "head"}
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")
-@pytest.mark.parametrize("method", ["none", "dynamic"])
+@pytest.mark.parametrize("method", ["none", "dynamic", "adaptive"])
 def test_vit_on_digits_writes_accuracy_and_no_perplexity(invoke, tmp_path, method):
     run = _train(invoke, tmp_path, VIT, method)
     assert list(_metrics(run)[0]) == list(METRICS_COLUMNS)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model"] == "vit" and 0 <= summary["final_val_accuracy"] <= 1
     assert "final_val_perplexity" not in summary
+    assert {"output", "patch", "encoder.0.linear1", "encoder.0.linear2", "head"} <= _scale_points(run)
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")
 def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path):
     config = write_config(tmp_path / "c.yaml", **GPT, training={"iterations": 2}, precision={"dtype": "float16"})
     out = tmp_path / "cmp"
@@ -130,7 +139,6 @@ def test_a_transformer_too_large_to_build_is_refused_before_it_is_built(invoke, 
     assert "make model.width or model.layers (1) smaller" in result.stderr.splitlines()[-1]
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")
 def test_the_progress_bar_and_the_printed_summary_show_perplexity(invoke, tmp_path):
     # 64 windows in batches of 16: the first evaluation ends step 4, the bar shows it from step 5 on.
     config = write_config(tmp_path / "c.yaml", **GPT, output={"progress": True})
@@ -141,11 +149,10 @@ def test_the_progress_bar_and_the_printed_summary_show_perplexity(invoke, tmp_pa
     assert "(perplexity " in result.stdout
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")
 def test_a_killed_language_model_run_resumes_exactly(tmp_path):
     config = write_config(tmp_path / "c.yaml", model={**GPT["model"], "dropout": 0.1}, data=GPT["data"],
                           precision={"dtype": "float16"}, training={"iterations": 40},
-                          device="cpu", output={"checkpoint_every": 2})
+                          device="cpu", output={"checkpoint_every": 2, "record_every": 1000})
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     # Every run in a process of its own with one thread (the GPT's sums depend on the thread count).
     assert adaloss("train", "--config", str(config), "--out", str(reference), "--quiet").wait() == 0
@@ -167,14 +174,13 @@ def test_a_killed_language_model_run_resumes_exactly(tmp_path):
         assert value.equal(final_state(killed)["model"][key]), key
 
 
-@pytest.mark.filterwarnings("ignore:underflow is not measured")
 @pytest.mark.parametrize("name, model", [("gpt", "gpt"), ("vit", "vit")])
 def test_the_shipped_transformer_configs_train(invoke, tmp_path, name, model):
     from adaloss_cli.configs import shipped_configs
 
     out = tmp_path / "run"
     result = invoke("train", "--config", shipped_configs()[name], "--out", out, "--quiet", "--device", "cpu",
-                    "--set", "training.iterations=2")
+                    "--set", "training.iterations=2", "--set", "data.val_fraction=0.01")  # a short evaluation
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["model"], summary["precision"], summary["method"]) == (model, "float16", "dynamic")

@@ -107,16 +107,15 @@ class TorchBackend(Backend):
             total = total + loss.detach()
         return total
 
-    @staticmethod
-    def _reference_loss(x: torch.Tensor, y: torch.Tensor):
+    def _reference_loss(self, x: torch.Tensor, y: torch.Tensor):
         """The recorded batch's loss in float32, for the scaler's underflow reference pass.
 
-        With token ids as input (no gradient), the parameters are what the reference backward differentiates, so it
-        still reaches every layer.
+        With token ids as input (no gradient), the parameters (which the measuring model shares) are what the
+        reference backward differentiates, so it still reaches every layer.
         """
-        def reference(model: torch.nn.Module):
+        def reference(model):
             if not x.is_floating_point():
-                return cross_entropy(model(x), y), [p for p in model.parameters() if p.requires_grad]
+                return cross_entropy(model(x), y), [p for p in self.model.parameters() if p.requires_grad]
             inputs = x.detach().float().requires_grad_(True)
             return cross_entropy(model(inputs), y), inputs
         return reference
