@@ -23,7 +23,7 @@ from adaloss_cli.backends import get_backend
 from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, LayerRecord, StepOutcome
 from adaloss_cli.config.schema import MAX_STEPS, ExperimentConfig
 from adaloss_cli.core.schedule import learning_rate
-from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset
+from adaloss_cli.data import LANGUAGE_MODEL, BatchStream, Dataset, eval_batches, load_dataset
 from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss_cli.errors import Diverged, Interrupted, UserError
 from adaloss_cli.model_size import check_model_size
@@ -121,6 +121,14 @@ def scale_range(layers: list[LayerRecord]) -> str | None:
     return low if low == high else f"{low}..{high}"
 
 
+def perplexity(loss: float) -> float:
+    """exp of a mean per-token cross-entropy (in nats): the vocabulary size a uniform guess would need to be as
+    unsure. NaN for a NaN loss, inf where exp overflows."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
 def prepare(config: ExperimentConfig, world: World = SINGLE) -> tuple[Dataset, Backend]:
     """Everything that can fail on user input (backend, device, dataset, model), before any file is written.
 
@@ -192,6 +200,8 @@ class Trainer:
         self.world = world
         self.show_progress = progress and config.output.progress and world.is_main
         self.state = Progress()
+        self.language_model = dataset.task == LANGUAGE_MODEL
+        self._eval_shown: dict[str, str] = {}  # the last evaluation, on the progress bar (language models)
         if resume is not None:
             backend.load_state_dict(resume["backend"])
             self.state = Progress(**resume["progress"])
@@ -248,7 +258,8 @@ class Trainer:
                               else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
                 scales = scale_range(outcome.layers) or scales
                 shown = {"scales": scales or "-"} if per_layer else {"scale": f"{outcome.scale:g}"}
-                bar.set_postfix(loss=f"{outcome.loss:.4f}", **shown, skipped=state.skipped, refresh=False)
+                bar.set_postfix(loss=f"{outcome.loss:.4f}", **shown, skipped=state.skipped, **self._eval_shown,
+                                refresh=False)
                 bar.update(1)
                 last = step == plan.total_steps - 1
                 if step_in_epoch == plan.steps_per_epoch - 1 or last:
@@ -288,9 +299,20 @@ class Trainer:
                                                        result.accuracy * result.examples, result.examples])
             loss, accuracy = loss_sum / max(count, 1), round(correct) / max(count, 1)
         state.evals.append({"loss": loss, "accuracy": accuracy})
-        self.writer.epoch({"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss, "val_loss": loss,
-                           "val_accuracy": accuracy, "lr": lr, "skipped_steps": state.skipped,
-                           "elapsed_s": round(state.elapsed_before + time.perf_counter() - started, 3)})
+        row = {"epoch": epoch + 1, "step": step + 1, "train_loss": train_loss, "val_loss": loss,
+               "val_accuracy": accuracy, "lr": lr, "skipped_steps": state.skipped,
+               "elapsed_s": round(state.elapsed_before + time.perf_counter() - started, 3)}
+        if self.language_model:
+            row["val_perplexity"] = perplexity(loss)
+            self._eval_shown = {"val_ppl": f"{row['val_perplexity']:.2f}"}
+        self.writer.epoch(row)
+
+    def _perplexities(self) -> dict[str, float | None]:
+        """A language model's final and best validation perplexity (the best is that of the lowest loss)."""
+        losses = [e["loss"] for e in self.state.evals if not math.isnan(e["loss"])]
+        final = self.state.evals[-1]["loss"] if self.state.evals else math.nan
+        return {"final_val_perplexity": None if math.isnan(final) else perplexity(final),
+                "best_val_perplexity": perplexity(min(losses)) if losses else None}
 
     def _summary(self, plan: Plan, wall: float, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
         cfg, backend, state = self.config, self.backend, self.state
@@ -303,6 +325,7 @@ class Trainer:
             "final_val_accuracy": evals[-1]["accuracy"] if evals else None,
             "best_val_accuracy": max(e["accuracy"] for e in evals) if evals else None,
             "final_val_loss": evals[-1]["loss"] if evals else None,
+            **(self._perplexities() if self.language_model else {}),
             "final_train_loss": state.last_epoch_loss,
             "steps": plan.total_steps, "epochs": plan.epochs,
             "skipped_steps": state.skipped, "overflow_steps": state.overflows, "retries": state.retries,

@@ -23,7 +23,7 @@ from adaloss_cli.results.checkpoints import CheckpointStore, Latest
 from adaloss_cli.results.files import read_json, remove_stale_temp_files
 from adaloss_cli.results.locks import DirectoryLock
 from adaloss_cli.results.rundir import RUN, RUN_FILES, claim_exact_dir, create_run_dir, marker_kind
-from adaloss_cli.results.run_writer import LOG_FILES, RunWriter
+from adaloss_cli.results.run_writer import LOG_FILES, RunWriter, metrics_columns
 
 
 @dataclass
@@ -90,7 +90,8 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
 
     run_dir = world.agree(claim, main_only=True)
     try:
-        writer = RunWriter(run_dir, resolved_config_dict(config), command) if world.is_main else SilentWriter(run_dir)
+        writer = (RunWriter(run_dir, resolved_config_dict(config), command,
+                            metrics_columns=metrics_columns(dataset.task)) if world.is_main else SilentWriter(run_dir))
         return _train(config, dataset, backend, writer, None, progress, world)
     finally:
         for lock in held:
@@ -192,7 +193,8 @@ def resume_experiment(run_dir: Path, *, progress: bool = True, command: list[str
         config, latest = world.agree(lambda: _open_for_resume(run_dir, world.world_size, held), main_only=True)
         record = latest.record
         dataset, backend = prepare(config, world)
-        writer = (RunWriter.reopen(run_dir, record["offsets"] if record else {}, command) if world.is_main
+        writer = (RunWriter.reopen(run_dir, record["offsets"] if record else {}, command,
+                                   metrics_columns=metrics_columns(dataset.task)) if world.is_main
                   else SilentWriter(run_dir))
         return _train(config, dataset, backend, writer, record, progress, world)
     finally:

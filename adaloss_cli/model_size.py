@@ -60,12 +60,33 @@ def _vgg(cfg: ModelConfig, shape: tuple[int, int, int], classes: int) -> int:
     return total + _linear(channels * height * width, hidden) + _linear(hidden, classes)
 
 
+def _transformer_block(width: int) -> int:
+    """A pre-norm block: two LayerNorms, q/k/v and output projections, a 4x MLP (GPT's and nn.TransformerEncoderLayer
+    alike)."""
+    return 2 * 2 * width + _linear(width, 3 * width) + _linear(width, width) + _linear(width, 4 * width) + _linear(
+        4 * width, width)
+
+
+def _gpt(cfg: ModelConfig, shape: tuple[int], vocab_size: int) -> int:
+    """Token embedding (tied to the head, counted once), position embedding, blocks, final LayerNorm."""
+    return (vocab_size + shape[0]) * cfg.width + cfg.layers * _transformer_block(cfg.width) + 2 * cfg.width
+
+
+def _vit(cfg: ModelConfig, shape: tuple[int, int, int], classes: int) -> int:
+    """Patch embedding, class token, position embedding (patches + 1), blocks, final LayerNorm, head."""
+    channels, height, width = shape
+    patches = (height // cfg.patch_size) * (width // cfg.patch_size)
+    return (_conv(channels, cfg.width, cfg.patch_size, bias=True) + (patches + 2) * cfg.width
+            + cfg.layers * _transformer_block(cfg.width) + 2 * cfg.width + _linear(cfg.width, classes))
+
+
 def parameter_count(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> int:
-    """Trainable parameters of the zoo model ``cfg`` for (C, H, W) inputs and ``num_classes`` outputs."""
+    """Trainable parameters of the zoo model ``cfg`` for (C, H, W) inputs, or (T,) token sequences for gpt, and
+    ``num_classes`` outputs (the vocabulary for gpt)."""
     shape = tuple(int(d) for d in input_shape)
     if cfg.name in _RESNET_DEPTHS:
         return _resnet(_RESNET_DEPTHS[cfg.name], cfg, shape, num_classes)  # type: ignore[arg-type]
-    builders = {"mlp": _mlp, "cnn": _cnn, "vgg": _vgg}
+    builders = {"mlp": _mlp, "cnn": _cnn, "vgg": _vgg, "gpt": _gpt, "vit": _vit}
     return builders[cfg.name](cfg, shape, num_classes) if cfg.name in builders else 0  # type: ignore[arg-type]
 
 
@@ -75,5 +96,6 @@ def check_model_size(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes
     if count > MAX_PARAMETERS:
         key, value = ("model.hidden_sizes", list(cfg.hidden_sizes)) if cfg.name == "mlp" else ("model.width",
                                                                                                cfg.width)
+        also = f" or model.layers ({cfg.layers})" if cfg.name in ("gpt", "vit") else ""
         raise LimitExceeded(f"{key}: {cfg.name} with {key.split('.')[1]} {value} has {count:,} parameters, more "
-                            f"than the limit of {MAX_PARAMETERS:,}; make {key} smaller")
+                            f"than the limit of {MAX_PARAMETERS:,}; make {key}{also} smaller")

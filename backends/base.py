@@ -50,7 +50,11 @@ class StepOutcome:
 
 @dataclass
 class EvalResult:
-    """Mean loss and accuracy over a whole evaluation split."""
+    """Mean loss and accuracy over a whole evaluation split.
+
+    ``examples`` counts the predictions the means are over: the examples, or the token positions of a language
+    model's sequences.
+    """
     loss: float
     accuracy: float
     examples: int

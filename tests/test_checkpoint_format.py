@@ -81,7 +81,7 @@ def test_a_crafted_file_is_refused_without_running_its_code(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [name for name in MODELS if name != "gpt"])
 @pytest.mark.parametrize("shape,classes", [((1, 8, 8), 10), ((3, 32, 32), 100)])
 def test_the_parameter_count_before_building_equals_the_built_models(model, shape, classes):
     from adaloss_cli.backends.torch.models import build_model
@@ -89,3 +89,12 @@ def test_the_parameter_count_before_building_equals_the_built_models(model, shap
     config = load_config_dict({"model": {"name": model, "width": 4, "hidden_sizes": [16, 8]}}).model
     built = sum(p.numel() for p in build_model(config, shape, classes).parameters())
     assert parameter_count(config, shape, classes) == built
+
+
+def test_the_gpt_parameter_count_counts_its_tied_head_once():
+    from adaloss_cli.backends.torch.models import build_model
+
+    config = load_config_dict({"model": {"name": "gpt", "width": 8, "layers": 3, "heads": 2},
+                               "data": {"name": "text"}}).model
+    built = sum(p.numel() for p in build_model(config, (16,), 256).parameters())
+    assert parameter_count(config, (16,), 256) == built

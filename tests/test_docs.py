@@ -32,7 +32,7 @@ def test_header_and_one_row_per_leaf_key_in_schema_order():
 
 
 @pytest.mark.parametrize("key, default, allowed", [
-    ("model.name", "`mlp`", "one of: mlp, cnn, resnet20, resnet32, resnet56, resnet110, vgg"),
+    ("model.name", "`mlp`", "one of: mlp, cnn, resnet20, resnet32, resnet56, resnet110, vgg, gpt, vit"),
     ("model.hidden_sizes", "`[128, 128]`", "a list of integers, each >= 1 and <= 1048576"),
     ("model.dropout", "`0.0`", "a number >= 0 and <= 1"),
     ("training.batch_size", "`64`", "an integer >= 1"),

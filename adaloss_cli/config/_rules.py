@@ -10,10 +10,14 @@ from typing import Any, Callable, Mapping
 
 from ._messages import show
 from .problems import ProblemCollector
+from .schema import LANGUAGE_MODELS, MODELS, TEXT_DATASETS
 
 Values = Mapping[str, Any]
 
 DATASETS_WITH_ROOT = ("cifar10", "cifar100", "mnist")
+TRANSFORMERS = ("gpt", "vit")
+#: Height and width of each image dataset's images (synthetic ones have data.image_size).
+IMAGE_SIDES = {"digits": 8, "cifar10": 32, "cifar100": 32, "mnist": 28}
 
 
 def check_rules(values: Values, collector: ProblemCollector) -> None:
@@ -109,6 +113,50 @@ def _synthetic_data_fits(values: Values, collector: ProblemCollector) -> None:
                                           "data.num_samples or data.image_size")
 
 
+def _model_matches_data(values: Values, collector: ProblemCollector) -> None:
+    """A language model trains on token sequences and nothing else does."""
+    model, data = values.get("model.name"), values.get("data.name")
+    if model is None or data is None or values.get("backend") == "chainer":  # chainer: its own rule says why
+        return
+    if model in LANGUAGE_MODELS and data not in TEXT_DATASETS:
+        collector.add("model.name", f"got {show(model)} with data.name {show(data)}; {model} is a language model "
+                                    f"and trains on data.name {' or '.join(TEXT_DATASETS)}")
+    elif data in TEXT_DATASETS and model not in LANGUAGE_MODELS:
+        collector.add("data.name", f"got {show(data)} with model.name {show(model)}; {data} holds token sequences "
+                                   f"for a language model: use model.name {' or '.join(LANGUAGE_MODELS)}")
+
+
+def _chainer_builds_no_transformers(values: Values, collector: ProblemCollector) -> None:
+    """The Chainer backend's zoo has the image classifiers only."""
+    if values.get("backend") != "chainer":
+        return
+    model, data = values.get("model.name"), values.get("data.name")
+    if model in TRANSFORMERS:
+        chainer_models = ", ".join(m for m in MODELS if m not in TRANSFORMERS)
+        collector.add("model.name", f"got {show(model)} with backend chainer; the chainer backend builds "
+                                    f"{chainer_models} (use backend: torch for {model})")
+    if data in TEXT_DATASETS:
+        collector.add("data.name", f"got {show(data)} with backend chainer; the chainer backend trains image "
+                                   "classifiers only (use backend: torch with model.name gpt)")
+
+
+def _heads_divide_width(values: Values, collector: ProblemCollector) -> None:
+    heads, width = values.get("model.heads"), values.get("model.width")
+    if values.get("model.name") in TRANSFORMERS and heads and width and width % heads:
+        collector.add("model.heads", f"got {show(heads)} with width {show(width)}; must divide model.width "
+                                     f"(each head attends over width / heads channels)")
+
+
+def _patches_tile_the_image(values: Values, collector: ProblemCollector) -> None:
+    data, patch = values.get("data.name"), values.get("model.patch_size")
+    side = values.get("data.image_size") if data == "synthetic" else IMAGE_SIDES.get(data)
+    if values.get("model.name") != "vit" or patch is None or side is None or side % patch == 0:
+        return
+    divisors = ", ".join(str(d) for d in range(1, side + 1) if side % d == 0)
+    collector.add("model.patch_size", f"got {show(patch)} for the {side}x{side} images of data.name {data}; "
+                                      f"must divide {side}: one of {divisors}")
+
+
 def _ordered(low_key: str, high_key: str, strict: bool) -> Callable[[Values, ProblemCollector], None]:
     """A rule: when both keys are set, ``low_key`` must be below (``strict``) or at most ``high_key``."""
     def rule(values: Values, collector: ProblemCollector) -> None:
@@ -131,6 +179,10 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _paths_have_no_nul,
     _synthetic_data_fits,
     _mlp_depth_bounded,
+    _model_matches_data,
+    _chainer_builds_no_transformers,
+    _heads_divide_width,
+    _patches_tile_the_image,
     _ordered("loss_scaling.dynamic.min_scale", "loss_scaling.dynamic.max_scale", strict=False),
     _ordered("loss_scaling.adaptive.u_min", "loss_scaling.adaptive.u_max", strict=True),
 )

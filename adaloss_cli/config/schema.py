@@ -12,8 +12,11 @@ from typing import Any, Optional
 
 BACKENDS = ("torch", "chainer")
 DEVICES = ("auto", "cpu", "cuda")
-MODELS = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "resnet110", "vgg")
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist")
+MODELS = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "resnet110", "vgg", "gpt", "vit")
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "mnist", "text")
+#: Language models, and the datasets of token sequences they train on (every other pair is image classification).
+LANGUAGE_MODELS = ("gpt",)
+TEXT_DATASETS = ("text",)
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -28,6 +31,8 @@ SCALE_MAX = 1e38  # scales live in float32 tensors (largest finite value 3.4e38)
 # any real experiment. The model's total parameter count is bounded too, before it is built (adaloss_cli.limits).
 SEED_MAX = 2**32 - 1  # NumPy's legacy seeding (Chainer) takes 32-bit seeds
 WIDTH_MAX = 2**20
+DEPTH_MAX = 10_000  # Transformer blocks
+SEQUENCE_MAX = 2**20  # tokens of context
 MAX_STEPS = 10**9
 MAX_CLASSES = 100_000
 SYNTHETIC_MAX_SAMPLES = 10**7
@@ -69,26 +74,34 @@ class ModelConfig:
     name: str = option("mlp", "Architecture.", choices=MODELS)
     hidden_sizes: tuple = option(None, "MLP only: widths of the hidden layers.", item_type=int, min=1,
                                  max=WIDTH_MAX, default_factory=lambda: (128, 128))
-    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage).", min=1,
-                        max=WIDTH_MAX)
-    dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg).", min=0.0, max=1.0)
+    width: int = option(16, "cnn/resnet/vgg: channels of the first stage (doubled at each later stage); gpt/vit: "
+                        "the embedding width (a multiple of `heads`).", min=1, max=WIDTH_MAX)
+    dropout: float = option(0.0, "Dropout probability before the classifier (mlp, cnn, vgg); gpt/vit: on the "
+                            "embeddings, the attention weights and each residual branch.", min=0.0, max=1.0)
+    layers: int = option(2, "gpt/vit: number of Transformer blocks.", min=1, max=DEPTH_MAX)
+    heads: int = option(4, "gpt/vit: attention heads per block; must divide `width`.", min=1, max=WIDTH_MAX)
+    patch_size: int = option(4, "vit: side of the square image patches (the patch embedding's kernel and stride); "
+                             "must divide the image's height and width.", min=1, max=WIDTH_MAX)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Where the examples come from."""
     name: str = option("digits", "Dataset. digits ships with scikit-learn (offline); cifar10/cifar100/mnist are read "
-                       "from `root`; synthetic is random for tests.", choices=DATASETS)
+                       "from `root`; synthetic is random for tests; text is English prose that ships with Python "
+                       "(pydoc_data.topics, bytes as tokens) for model.name gpt.", choices=DATASETS)
     root: Optional[str] = option(None, "Folder of cifar10/cifar100 (python pickle batches) or mnist (idx files).")
-    val_fraction: float = option(0.2, "digits/synthetic: share of examples held out for validation.",
-                                 min=0.0, max=0.9, exclusive_min=True)
+    val_fraction: float = option(0.2, "digits/synthetic: share of examples held out for validation; text: share of "
+                                 "the corpus, from its end.", min=0.0, max=0.9, exclusive_min=True)
     augment: bool = option(True, "cifar: random pad-4 crop and horizontal flip on training images.")
-    normalize: bool = option(True, "Standardise inputs with the training set's per-channel mean and std.")
+    normalize: bool = option(True, "Images: standardise inputs with the training set's per-channel mean and std.")
     num_samples: int = option(512, "synthetic: number of examples.", min=2, max=SYNTHETIC_MAX_SAMPLES)
     num_classes: int = option(10, "synthetic: number of classes.", min=2, max=MAX_CLASSES)
     image_size: int = option(8, "synthetic: height and width of the (1-channel) images.", min=4,
                              max=SYNTHETIC_MAX_IMAGE_SIZE)
     limit_train: Optional[int] = option(None, "Use only the first N training examples (quick experiments).", min=1)
+    block_size: int = option(64, "text: tokens of context per example (the gpt's context length); each example "
+                             "predicts the next token at every one of them.", min=1, max=SEQUENCE_MAX)
 
 
 @dataclass(frozen=True)

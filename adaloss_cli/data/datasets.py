@@ -1,7 +1,9 @@
 """The framework-free dataset container and :func:`load_dataset`, which builds one from a ``data:`` config section.
 
 Everything is NumPy, so the torch and chainer backends train on exactly the same examples in the same order: the
-split, the ``limit_train`` subset and the normalisation all depend only on the config and the seed.
+split, the ``limit_train`` subset and the normalisation all depend only on the config and the seed. Two tasks share
+the container: image classification (one label per image) and language modelling (one target token per input
+token).
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from adaloss_cli.config.schema import DATASETS, DataConfig
-from adaloss_cli.data import readers
+from adaloss_cli.data import readers, text
 from adaloss_cli.errors import UserError
+
+#: ``Dataset.task`` values: one label per example, or the next token at every position of a token sequence.
+CLASSIFICATION = "classification"
+LANGUAGE_MODEL = "language_model"
 
 # Keeps the data seeds apart from other seeded streams (weights, batch order) that start from the same run seed.
 _SPLIT_STREAM = 0x5917
@@ -23,7 +29,12 @@ _LIMIT_STREAM = 0x1717
 
 @dataclass
 class Dataset:
-    """Train and validation arrays: images float32 N x C x H x W (always NCHW, even 1-channel), labels int64.
+    """Train and validation arrays, for one of two tasks.
+
+    Classification (``task`` :data:`CLASSIFICATION`): images float32 N x C x H x W (always NCHW, even 1-channel),
+    labels int64 N, ``input_shape`` (C, H, W). Language modelling (:data:`LANGUAGE_MODEL`): token ids int64 N x T as
+    inputs and int64 N x T targets (the next token at each position), ``num_classes`` the vocabulary size,
+    ``input_shape`` (T,); integer inputs that a backend must never cast to a float type.
 
     ``augment`` is True only for CIFAR with ``data.augment`` (pad-4 crop and flip fit natural 32x32 images, not
     digits). ``mean``/``std`` are the per-channel training statistics that were subtracted/divided, or None.
@@ -38,6 +49,7 @@ class Dataset:
     augment: bool = False
     mean: Optional[np.ndarray] = None
     std: Optional[np.ndarray] = None
+    task: str = CLASSIFICATION
 
     @property
     def num_train(self) -> int:
@@ -63,7 +75,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     if cfg.limit_train is not None and cfg.limit_train < ds.num_train:
         keep = np.random.default_rng([seed, _LIMIT_STREAM]).permutation(ds.num_train)[:cfg.limit_train]
         ds.x_train, ds.y_train = ds.x_train[keep], ds.y_train[keep]
-    if cfg.normalize:
+    if cfg.normalize and ds.task == CLASSIFICATION:
         ds.mean, ds.std = _channel_stats(ds.x_train)
         for x in (ds.x_train, ds.x_val):
             _standardise(x, ds.mean, ds.std)
@@ -105,9 +117,24 @@ def _load_mnist(cfg: DataConfig, seed: int) -> Dataset:
     return _from_raw("mnist", readers.read_mnist(cfg.root), 10, augment=False)
 
 
+def _load_text(cfg: DataConfig, seed: int) -> Dataset:
+    """The English text shipped with Python as byte tokens (see :mod:`adaloss_cli.data.text`), cut into windows of
+    ``block_size`` + 1 tokens; the last ``val_fraction`` of the text is the validation split. Needs no seed."""
+    train_tokens, val_tokens = text.split_corpus(text.encode(text.corpus_text()), cfg.val_fraction)
+    x_train, y_train = text.cut_windows(train_tokens, cfg.block_size)
+    x_val, y_val = text.cut_windows(val_tokens, cfg.block_size)
+    if len(x_val) == 0 or len(x_train) == 0:
+        part, tokens = ("validation", len(val_tokens)) if len(x_val) == 0 else ("training", len(train_tokens))
+        raise UserError(f"data.block_size {cfg.block_size} leaves no {part} example in the {tokens:,} {part} "
+                        f"tokens of data 'text' (val_fraction {cfg.val_fraction:g}); lower data.block_size below "
+                        f"{max(tokens - 1, 1)} or change data.val_fraction")
+    return Dataset("text", x_train, y_train, x_val, y_val, text.VOCAB_SIZE, (cfg.block_size,),
+                   task=LANGUAGE_MODEL)
+
+
 _LOADERS: dict[str, Callable[[DataConfig, int], Dataset]] = {
     "digits": _load_digits, "synthetic": _load_synthetic,
-    "cifar10": _load_cifar, "cifar100": _load_cifar, "mnist": _load_mnist,
+    "cifar10": _load_cifar, "cifar100": _load_cifar, "mnist": _load_mnist, "text": _load_text,
 }
 
 

@@ -57,7 +57,9 @@ def _describe(child: Child) -> str:
     summary = RunData(child.run_dir).summary
     status = child.entry.get("status")
     if status == "completed" and summary:
-        acc = summary.get("final_val_accuracy")
+        acc, ppl = summary.get("final_val_accuracy"), summary.get("final_val_perplexity")
+        if isinstance(ppl, float):  # a language model
+            return f"{child.name}: val perplexity {ppl:.3f}"
         return f"{child.name}: val acc {acc * 100:.2f}%" if isinstance(acc, float) else f"{child.name}: completed"
     return f"{child.name}: {status}" + (f" ({child.entry.get('error')})" if child.entry.get("error") else "")
 

@@ -3,7 +3,8 @@ Markdown and JSON.
 
 ``compare``, ``batch`` and ``report`` all build their tables here, from the children's ``summary.json`` only, so a
 table rebuilt by ``report`` from copied directories is byte for byte the one written at the end of the runs. A group
-whose runs did not complete keeps its row with the counts and empty numbers: nothing is invented.
+whose runs did not complete keeps its row with the counts and empty numbers: nothing is invented. Language models'
+tables (their summaries have a validation perplexity) get perplexity columns beside the validation loss.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ METRIC_COLUMNS = (
     GAP_COLUMN,
 )
 
+#: Columns added after ``final_val_loss_mean`` when the runs are language models.
+PERPLEXITY_COLUMNS = ("final_val_perplexity_mean", "final_val_perplexity_std", "best_val_perplexity_mean")
+PERPLEXITY_KEYS = ("final_val_perplexity", "best_val_perplexity")
+
 LEGEND = """\
 Mean ± sample standard deviation over the completed runs (seeds) of each row; a single run has no spread.
 runs: completed/all; diverged and failed runs have no summary and are left out of the numbers, and a run that
@@ -42,6 +47,9 @@ stopped before its directory was created (or never started) counts as not run.
 underflow: fraction of activation-gradient values lost to fp16 underflow at the recorded steps, averaged over
 layers (mean) or of the worst layer (worst, the largest over the row's runs); 0 when nothing underflows.
 Δ vs fp32: final validation accuracy minus the float32 baseline's, in percentage points."""
+LM_LEGEND = """\
+val ppl: validation perplexity, exp of the mean per-token validation loss (lower is better); val acc is next-token
+accuracy."""
 
 
 @dataclass
@@ -79,12 +87,26 @@ def _std(values: list[float]) -> float | None:
     return statistics.stdev(values) if len(values) >= 2 else None
 
 
+def is_language_model(groups: Sequence[Group]) -> bool:
+    """Whether any completed run of the groups is a language model (its summary has a validation perplexity)."""
+    return any(run.summary and "final_val_perplexity" in run.summary for group in groups for run in group.runs)
+
+
+def metric_columns(language_model: bool) -> tuple[str, ...]:
+    """:data:`METRIC_COLUMNS`, with :data:`PERPLEXITY_COLUMNS` after the validation loss for language models."""
+    if not language_model:
+        return METRIC_COLUMNS
+    at = METRIC_COLUMNS.index("final_val_loss_mean") + 1
+    return METRIC_COLUMNS[:at] + PERPLEXITY_COLUMNS + METRIC_COLUMNS[at:]
+
+
 def aggregate(groups: Sequence[Group], baseline: str | None = None) -> list[dict[str, Any]]:
-    """One row per group: its key columns, then :data:`METRIC_COLUMNS`.
+    """One row per group: its key columns, then :func:`metric_columns` (perplexity only for language models).
 
     ``baseline`` is the label of the group (``fp32``) the accuracy gap is measured against; without it the gap
     column is empty.
     """
+    columns = metric_columns(is_language_model(groups))
     rows = []
     for group in groups:
         done = [run for run in group.runs if run.summary]
@@ -106,8 +128,11 @@ def aggregate(groups: Sequence[Group], baseline: str | None = None) -> list[dict
         row["underflow_worst_layer"] = worst_run.summary.get("underflow_worst_layer") if worst_run else None
         memory = _values(done, "peak_memory_mb")
         row["peak_memory_mb_max"] = max(memory) if memory else None
+        for key in PERPLEXITY_KEYS:
+            row[f"{key}_mean"] = _mean(_values(done, key))
+        row["final_val_perplexity_std"] = _std(_values(done, "final_val_perplexity"))
         row[GAP_COLUMN] = None
-        rows.append({**dict(group.key), **{c: row[c] for c in METRIC_COLUMNS}})
+        rows.append({**dict(group.key), **{c: row[c] for c in columns}})
     if baseline is not None:
         base = next((r for g, r in zip(groups, rows) if g.label == baseline), None)
         reference = base["final_val_accuracy_mean"] if base else None
@@ -169,11 +194,13 @@ def _runs(row: dict[str, Any]) -> str:
 
 def _display(row: dict[str, Any], key_columns: Sequence[str], gap: bool) -> list[str]:
     worst = row["underflow_worst"]
+    perplexity = [_ppl(row["final_val_perplexity_mean"], row["final_val_perplexity_std"]),
+                  _ppl(row["best_val_perplexity_mean"])] if "final_val_perplexity_mean" in row else []
     cells = [_show(row[k]) for k in key_columns] + [
         _show(row["precision"]), _runs(row),
         _pct(row["final_val_accuracy_mean"], row["final_val_accuracy_std"]),
         _pct(row["best_val_accuracy_mean"], row["best_val_accuracy_std"]),
-        _num(row["final_train_loss_mean"], ".4f"), _num(row["final_val_loss_mean"], ".4f"),
+        _num(row["final_train_loss_mean"], ".4f"), _num(row["final_val_loss_mean"], ".4f"), *perplexity,
         _count(row["skipped_steps_mean"]), _count(row["overflow_steps_mean"]),
         _num(row["underflow_mean"], ".3g"),
         "-" if worst is None else f"{worst:.3g} ({row['underflow_worst_layer']})",
@@ -189,12 +216,28 @@ def _display(row: dict[str, Any], key_columns: Sequence[str], gap: bool) -> list
 
 HEADERS = ("precision", "runs", "val acc % (final)", "val acc % (best)", "train loss", "val loss", "skipped",
            "overflows", "underflow mean", "underflow worst (layer)", "ms/step", "peak MB")
+PERPLEXITY_HEADERS = ("val ppl (final)", "val ppl (best)")
+
+
+def _ppl(mean: float | None, std: float | None = None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
+
+
+def _headers(language_model: bool) -> tuple[str, ...]:
+    """:data:`HEADERS`, with :data:`PERPLEXITY_HEADERS` after the validation loss for language models."""
+    if not language_model:
+        return HEADERS
+    at = HEADERS.index("val loss") + 1
+    return HEADERS[:at] + PERPLEXITY_HEADERS + HEADERS[at:]
 
 
 def to_markdown(rows: Sequence[dict[str, Any]], key_columns: Sequence[str]) -> str:
     """An aligned Markdown table for people (the terminal shows the same text); numbers rounded for reading."""
     gap = any(row[GAP_COLUMN] is not None for row in rows)
-    headers = [*key_columns, *HEADERS, *(["Δ vs fp32 (pp)"] if gap else [])]
+    language_model = any("final_val_perplexity_mean" in row for row in rows)
+    headers = [*key_columns, *_headers(language_model), *(["Δ vs fp32 (pp)"] if gap else [])]
     body = [_display(row, key_columns, gap) for row in rows]
     widths = [max(len(line[i]) for line in [headers, *body]) for i in range(len(headers))]
     numeric = [i >= len(key_columns) + 1 for i in range(len(headers))]
@@ -213,5 +256,6 @@ def write_tables(folder: Path, stem: str, rows: Sequence[dict[str, Any]], key_co
     folder = Path(folder)
     csv_path, md_path = folder / f"{stem}.csv", folder / f"{stem}.md"
     atomic_write_text(csv_path, to_csv(rows))
-    atomic_write_text(md_path, f"# {title}\n\n{to_markdown(rows, key_columns)}\n{LEGEND}\n")
+    legend = LEGEND + ("\n" + LM_LEGEND if any("final_val_perplexity_mean" in row for row in rows) else "")
+    atomic_write_text(md_path, f"# {title}\n\n{to_markdown(rows, key_columns)}\n{legend}\n")
     return {"csv": csv_path, "md": md_path}

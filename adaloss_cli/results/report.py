@@ -19,8 +19,11 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"loss scaling {summary['method']} ({summary['backend']}, {summary['device']})"]
     acc = summary.get("final_val_accuracy")
     best = summary.get("best_val_accuracy")
+    val_loss = _fmt(summary.get("final_val_loss"))
+    if "final_val_perplexity" in summary:  # a language model
+        val_loss += f" (perplexity {_fmt(summary['final_val_perplexity'])})"
     lines.append(f"  val accuracy  {_fmt(acc * 100 if acc is not None else None)}% "
-                 f"(best {_fmt(best * 100 if best is not None else None)}%)   val loss {_fmt(summary.get('final_val_loss'))}"
+                 f"(best {_fmt(best * 100 if best is not None else None)}%)   val loss {val_loss}"
                  f"   train loss {_fmt(summary.get('final_train_loss'))}")
     lines.append(f"  steps {summary['steps']}   skipped {summary['skipped_steps']}   final scale "
                  f"{_fmt(summary.get('final_scale'))}   {_fmt(summary['time_per_step_s'] * 1000)} ms/step   "

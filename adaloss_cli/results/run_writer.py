@@ -15,10 +15,14 @@ import yaml
 
 from adaloss_cli import __version__
 from adaloss_cli.backends.base import LayerRecord, StepOutcome
+from adaloss_cli.data.datasets import LANGUAGE_MODEL
 from adaloss_cli.results.files import (CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text, json_text,
                                       overwrite_in_place, read_json, write_failure)
 
 METRICS_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "lr", "skipped_steps", "elapsed_s")
+#: A language model's metrics.csv: validation perplexity (exp of the mean per-token loss) beside next-token accuracy.
+LM_METRICS_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_perplexity", "lr",
+                      "skipped_steps", "elapsed_s")
 SCALES_COLUMNS = ("step", "layer", "unbound_factor", "factor", "accumulated_scale", "underflow_fraction",
                   "weight_scale", "zeroed_fraction")
 
@@ -40,12 +44,21 @@ def package_versions() -> dict[str, str]:
 LOG_FILES = ("steps.jsonl", "metrics.csv", "scales.csv")
 
 
+def metrics_columns(task: str) -> tuple[str, ...]:
+    """The columns of metrics.csv for a dataset's task (``Dataset.task``)."""
+    return LM_METRICS_COLUMNS if task == LANGUAGE_MODEL else METRICS_COLUMNS
+
+
 class RunWriter:
-    """Writes config.yaml, meta.json, steps.jsonl, metrics.csv, scales.csv and summary.json of one run."""
+    """Writes config.yaml, meta.json, steps.jsonl, metrics.csv, scales.csv and summary.json of one run.
+
+    ``metrics_columns`` are the columns of metrics.csv, which depend on the task (see :func:`metrics_columns`).
+    """
 
     def __init__(self, run_dir: Path, resolved_config: dict[str, Any] | None, command: list[str] | None = None,
-                 meta: dict[str, Any] | None = None) -> None:
+                 meta: dict[str, Any] | None = None, metrics_columns: tuple[str, ...] = METRICS_COLUMNS) -> None:
         self.run_dir = Path(run_dir)
+        self._metrics_columns = metrics_columns
         if resolved_config is not None:
             try:
                 atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(resolved_config, sort_keys=False))
@@ -58,8 +71,10 @@ class RunWriter:
         self._open_logs()
 
     @classmethod
-    def reopen(cls, run_dir: Path, offsets: dict[str, int], command: list[str] | None = None) -> "RunWriter":
-        """Continue writing an interrupted run: logs cut back to ``offsets`` (what the checkpoint had seen)."""
+    def reopen(cls, run_dir: Path, offsets: dict[str, int], command: list[str] | None = None,
+               metrics_columns: tuple[str, ...] = METRICS_COLUMNS) -> "RunWriter":
+        """Continue writing an interrupted run: logs cut back to ``offsets`` (what the checkpoint had seen), with
+        the metrics columns the run started with."""
         run_dir = Path(run_dir)
         for name in LOG_FILES:
             path = run_dir / name
@@ -67,13 +82,13 @@ class RunWriter:
                 with open(path, "r+b") as handle:
                     handle.truncate(offsets.get(name, 0))
         if not (run_dir / "meta.json").exists():  # killed after writing config.yaml: start the run's meta afresh
-            return cls(run_dir, None, command)
+            return cls(run_dir, None, command, metrics_columns=metrics_columns)
         meta = read_json(run_dir / "meta.json")
         meta.setdefault("resumed", []).append({"at": _now(), "command": command or sys.argv})
         meta.update(status="running", finished=None)
         meta.pop("error", None)
         (run_dir / "summary.json").unlink(missing_ok=True)
-        return cls(run_dir, None, meta=meta)
+        return cls(run_dir, None, meta=meta, metrics_columns=metrics_columns)
 
     def offsets(self) -> dict[str, int]:
         """Current size of each log, as a checkpoint records it (everything written so far is flushed)."""
@@ -82,7 +97,7 @@ class RunWriter:
 
     def _open_logs(self) -> None:
         self._steps = JsonLinesWriter(self.run_dir / "steps.jsonl")
-        self._metrics = CsvWriter(self.run_dir / "metrics.csv", METRICS_COLUMNS)
+        self._metrics = CsvWriter(self.run_dir / "metrics.csv", self._metrics_columns)
         self._scales: CsvWriter | None = None
         if (self.run_dir / "scales.csv").exists():
             self._scales = CsvWriter(self.run_dir / "scales.csv", SCALES_COLUMNS)

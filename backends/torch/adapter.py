@@ -32,6 +32,12 @@ def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (..., classes) logits against integer targets of shape (...): one label per example for
+    classification, the next token at every position for a language model (the mean is over all positions)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
+
+
 class TorchBackend(Backend):
     """Trains a zoo model with PyTorch in float32, float16 (fp32 master weights) or bfloat16."""
 
@@ -90,22 +96,28 @@ class TorchBackend(Backend):
             model = self.model
             if record and i == 0:
                 model = self.scaler.start_recording(self._reference_loss(x, y))
-                x = x.detach().requires_grad_(True)
+                if x.is_floating_point():  # token ids have no gradient
+                    x = x.detach().requires_grad_(True)
             # Gradients are averaged over processes once, in the backward of the step's last micro-batch.
             with self.train_forward.accumulating(skip_sync=i < len(micro_batches) - 1):
-                loss = F.cross_entropy(self.train_forward(model, x), y) / len(micro_batches)
+                loss = cross_entropy(self.train_forward(model, x), y) / len(micro_batches)
                 if self.inject_nonfinite_loss:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
             total = total + loss.detach()
         return total
 
-    @staticmethod
-    def _reference_loss(x: torch.Tensor, y: torch.Tensor):
-        """The recorded batch's loss in float32, for the scaler's underflow reference pass."""
-        def reference(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_loss(self, x: torch.Tensor, y: torch.Tensor):
+        """The recorded batch's loss in float32, for the scaler's underflow reference pass.
+
+        With token ids as input (no gradient), the parameters (which the measuring model shares) are what the
+        reference backward differentiates, so it still reaches every layer.
+        """
+        def reference(model):
+            if not x.is_floating_point():
+                return cross_entropy(model(x), y), [p for p in self.model.parameters() if p.requires_grad]
             inputs = x.detach().float().requires_grad_(True)
-            return F.cross_entropy(model(inputs), y), inputs
+            return cross_entropy(model(inputs), y), inputs
         return reference
 
     def train_step(self, micro_batches: Sequence[Batch], lr: float, record: bool = False) -> StepOutcome:
@@ -133,7 +145,8 @@ class TorchBackend(Backend):
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
-        """Mean cross-entropy and accuracy, in the training compute dtype (with rank 0's batch-norm statistics)."""
+        """Mean cross-entropy and accuracy over every prediction (each example, or each token position of a language
+        model), in the training compute dtype (with rank 0's batch-norm statistics)."""
         self.train_forward.sync_buffers()
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -142,9 +155,9 @@ class TorchBackend(Backend):
         for batch in batches:
             x, y = self._to_device(batch)
             logits = self.forward(self.model, x)
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
-            correct += (logits.argmax(dim=1) == y).sum()
-            count += len(y)
+            loss_sum += cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(dim=-1) == y).sum()
+            count += y.numel()
         loss = loss_sum.item() / max(count, 1)
         return EvalResult(loss=loss if math.isfinite(loss) else float("nan"),
                           accuracy=correct.item() / max(count, 1), examples=count)

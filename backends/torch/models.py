@@ -1,10 +1,10 @@
 """The PyTorch model zoo: MLP, a small CNN, the CIFAR ResNets of He et al. (2016), a VGG, and a torchvision-style
-ResNet-18.
+ResNet-18 defined here; a GPT and a ViT from :mod:`.transformer_models`.
 
-Every model takes NCHW images and returns (N, num_classes) logits. Each one is built from modules with no
-data-dependent Python control flow, so ``torch.fx.symbolic_trace`` sees the whole graph: the per-layer loss-scaling
-transform relies on that (DESIGN.md section 3). Residual adds are plain ``+`` so the tracer records them as branch
-points.
+Every image model takes NCHW images and returns (N, num_classes) logits; the GPT takes (N, T) token ids and returns
+(N, T, vocabulary) logits. The image models are built from modules with no data-dependent Python control flow, so
+``torch.fx.symbolic_trace`` sees the whole graph (DESIGN.md section 3). Residual adds are plain ``+`` so the tracer
+records them as branch points.
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from adaloss_cli.config.schema import ModelConfig
+from adaloss_cli.config.schema import LANGUAGE_MODELS, ModelConfig
 from adaloss_cli.errors import UserError
 
-__all__ = ["MODEL_BUILDERS", "MLP", "SimpleCNN", "BasicBlock", "CifarResNet", "VGG", "TorchvisionBasicBlock",
-           "TorchvisionBottleneck", "ResNet18", "build_model", "describe_model", "resnet18_torchvision_style",
-           "resnet50_torchvision_style"]
+from .transformer_models import GPT, ViT
 
-InputShape = tuple[int, int, int]
+__all__ = ["MODEL_BUILDERS", "MLP", "SimpleCNN", "BasicBlock", "CifarResNet", "VGG", "TorchvisionBasicBlock",
+           "TorchvisionBottleneck", "ResNet18", "GPT", "ViT", "build_model", "describe_model",
+           "resnet18_torchvision_style", "resnet50_torchvision_style"]
+
+InputShape = tuple[int, ...]
+"""(C, H, W) for images, (T,) for token sequences."""
 
 
 def _kaiming_init(model: nn.Module) -> None:
@@ -271,6 +274,20 @@ def _resnet(depth: int) -> Callable[[ModelConfig, InputShape, int], nn.Module]:
     return build
 
 
+def _gpt(cfg: ModelConfig, input_shape: InputShape, vocab_size: int) -> nn.Module:
+    """A GPT whose context length is the data's sequence length and whose vocabulary is the data's classes."""
+    return GPT(vocab_size, input_shape[0], cfg.width, cfg.layers, cfg.heads, cfg.dropout)
+
+
+def _vit(cfg: ModelConfig, input_shape: InputShape, num_classes: int) -> nn.Module:
+    height, width = input_shape[1:]
+    if height % cfg.patch_size or width % cfg.patch_size:
+        raise UserError(f"model.patch_size {cfg.patch_size} does not divide the {height}x{width} images; choose a "
+                        f"divisor of both")
+    return ViT(input_shape, num_classes, cfg.patch_size, cfg.width, cfg.layers, cfg.heads,  # type: ignore[arg-type]
+               cfg.dropout)
+
+
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig, InputShape, int], nn.Module]] = {
     "mlp": lambda cfg, shape, classes: MLP(shape[0] * shape[1] * shape[2], cfg.hidden_sizes, classes, cfg.dropout),
     "cnn": lambda cfg, shape, classes: SimpleCNN(shape, classes, cfg.width, cfg.dropout),
@@ -279,20 +296,26 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig, InputShape, int], nn.Module]] =
     "resnet56": _resnet(56),
     "resnet110": _resnet(110),
     "vgg": lambda cfg, shape, classes: VGG(shape, classes, cfg.width, cfg.dropout),
+    "gpt": _gpt,
+    "vit": _vit,
 }
 """Model name (as spelled in YAML ``model.name``) -> builder; the same names as ``schema.MODELS``."""
 
 
-def build_model(cfg: ModelConfig, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Build the network named by ``cfg.name`` for (C, H, W) images and ``num_classes`` outputs, in float32.
+def build_model(cfg: ModelConfig, input_shape: InputShape, num_classes: int) -> nn.Module:
+    """Build the network named by ``cfg.name`` in float32: for (C, H, W) images and ``num_classes`` outputs, or
+    for a language model (gpt) for (T,) token sequences and a vocabulary of ``num_classes``.
 
-    ResNets ignore ``cfg.dropout`` (He et al. use none). Raises :class:`UserError` for an unknown name.
+    ResNets ignore ``cfg.dropout`` (He et al. use none). Raises :class:`UserError` for an unknown name or an input
+    shape the model cannot take.
     """
     builder = MODEL_BUILDERS.get(cfg.name)
     if builder is None:
         raise UserError(f"model.name: unknown model {cfg.name!r}. Choose between {sorted(MODEL_BUILDERS)}.")
-    if len(input_shape) != 3 or min(input_shape) < 1:
-        raise UserError(f"model input shape must be (channels, height, width), got {tuple(input_shape)}")
+    sequence = cfg.name in LANGUAGE_MODELS
+    if len(input_shape) != (1 if sequence else 3) or min(input_shape) < 1:
+        expected = "(sequence length,) of token ids" if sequence else "(channels, height, width)"
+        raise UserError(f"model {cfg.name} needs inputs of shape {expected}, got {tuple(input_shape)}")
     return builder(cfg, tuple(int(d) for d in input_shape), int(num_classes))
 
 
