@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from adaloss_cli.core.adaptive import (METHODS, PAPER_METHODS, AdaptiveOptions, bound_factor, branch_common_scale,
+from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, branch_common_scale,
                                        layer_factor, power_of_two_floor, unbound_factor)
 from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, conv_fan, default_range,
                                              element_wise_extremes, linear_fan, norm_and_abs_max, ops_for,

@@ -15,10 +15,8 @@
 from __future__ import annotations
 
 import copy
-import math
 from contextlib import contextmanager, nullcontext
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from adaloss_cli.engine import FAULT_ENV
 from adaloss_cli.results.checkpoint_format import save_checkpoint

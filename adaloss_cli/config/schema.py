@@ -220,51 +220,6 @@ class AdaptiveScalingConfig:
     fixed_loss_scale: float = option(1.0, "loss_scale_method=fixed: the constant per-layer factor.", min=0.0,
                                      max=SCALE_MAX, exclusive_min=True)
     update_per_n_iteration: int = option(1, "Recompute the statistics every N training iterations.", min=1)
-    exact_bounds: bool = option(True, "Cap every layer's factors with exact bounds so that neither its input "
-                                "gradient nor its weight gradient can overflow; the weight gradient gets a factor of "
-                                "its own (false: the paper's factors as they are).")
-    backoff_factor: Optional[float] = option(None, "Multiplier on overflow. null: the preset's value.", min=0.0, max=1.0, exclusive_min=True)
-    growth_interval: Optional[int] = option(None, "Clean steps in a row before the scale grows. null: the preset's value.", min=1)
-    hysteresis: Optional[int] = option(None, "Overflows tolerated before the scale backs off. null: the preset's value.", min=1)
-    min_scale: Optional[float] = option(None, "Floor of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    max_scale: Optional[float] = option(None, "Ceiling of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    on_floor: Optional[str] = option(None, "At min_scale with another overflow: clamp (keep going) or raise "
-                                     "(stop the run as diverged).", choices=FLOOR_BEHAVIOURS)
-    on_overflow: Optional[str] = option(None, "skip the step, or retry the same batch with the smaller scale.",
-                                        choices=OVERFLOW_BEHAVIOURS)
-    max_retries: Optional[int] = option(None, "retry: attempts per batch before the step is skipped.", min=1)
-    grow_every_step_until_overflow: Optional[bool] = option(
-        None, "Double every step until the first overflow (Chainer's warm start).")
-    smooth_growth: Optional[bool] = option(
-        None, "Grow by growth_factor^(1/growth_interval) after every clean step instead of in one jump (Chainer).")
-
-
-@dataclass(frozen=True)
-class AdaptiveScalingConfig:
-    """Adaptive per-layer loss scaling (Zhao et al., IJCAI 2020), with adaloss's range-filling default rule."""
-    loss_scale_method: str = option(
-        "max_range", "How each layer's factor is computed: max_range (largest factor an exact bound allows), "
-        "measured_range (the paper's rule on the measured share of underflow), or the paper's approx_range, "
-        "abs_range, element_wise_range, fixed.", choices=ADAPTIVE_METHODS)
-    init_scale: float = option(1.0, "Scale the loss is multiplied by (the output point then sets its own).",
-                               min=0.0, max=SCALE_MAX, exclusive_min=True)
-    u_min: Optional[float] = option(None, "Smallest magnitude to keep (default by dtype: 6e-8 fp16, 1e-23 fp32).",
-                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
-    u_max: Optional[float] = option(None, "Largest magnitude allowed (default by dtype: 65504 fp16, 1e23 fp32).",
-                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
-    n_uf_threshold: float = option(1e-3, "Tolerated fraction of underflowing values (approx_range, "
-                                   "measured_range).", min=0.0, max=0.5, exclusive_min=True)
-    scale_upper_bound: float = option(16.0, "Largest per-layer factor (approx_range, measured_range with "
-                                      "use_bound).", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    accum_upper_bound: Optional[float] = option(
-        None, "Largest accumulated scale a layer may create, counted from the output (approx_range, "
-        "measured_range with use_bound); null: only the range caps it (the paper used 1024).",
-        min=0.0, max=SCALE_MAX, exclusive_min=True)
-    power_of_two: bool = option(True, "Round each factor down to a power of two (exact scaling).")
-    use_bound: bool = option(True, "Apply scale_upper_bound and accum_upper_bound (approx_range, measured_range).")
-    fixed_loss_scale: float = option(1.0, "loss_scale_method=fixed: the constant per-layer factor.", min=0.0,
-                                     max=SCALE_MAX, exclusive_min=True)
-    update_per_n_iteration: int = option(1, "Recompute the statistics every N training iterations.", min=1)
     exact_bounds: bool = option(True, "Give each layer's weight gradient a factor of its own, bounded exactly "
                                      "from the layer input, so it cannot overflow (false: the paper's shared factor).")
     backoff_factor: float = option(0.5, "On an overflow, multiply the top of the range every factor aims at by "

@@ -31,7 +31,7 @@ from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, li
 from adaloss_cli.errors import UserError
 
 from ._compat import import_chainer
-from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, ScaleState, _BranchNode, _MeasureNode,
+from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, ScaleState, _BranchNode,
                            _OutputNode, measure_input, scaled_convolution_2d, scaled_linear)
 
 chainer = import_chainer()
