@@ -262,9 +262,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Step time and peak memory of adaptive (update_per_n_iteration 1 and 100) and dynamic loss "
                     "scaling against torch.amp.GradScaler, side by side on the same model, weights, data and "
                     "precision.")
-    parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODEL_BUILDERS) + ["resnet50"],
-                        help="models to benchmark (default: mlp resnet20 on cpu; resnet50 resnet20 mlp on cuda, "
-                             "resnet50 being torchvision's layout at 224x224)")
+    parser.add_argument("--models", nargs="+", default=None, choices=sorted(set(MODEL_BUILDERS) - {"vit"}) + ["resnet50"],
+                        help="models to benchmark (default: mlp resnet20 on cpu; resnet50 gpt resnet20 mlp on cuda, "
+                             "resnet50 being torchvision's layout at 224x224 and gpt nanoGPT's 6-block, width-384 "
+                             "character model at 256 tokens)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                         help="variants (gradscaler, the reference, is always included)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -306,7 +307,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.models is None:
-        args.models = ["mlp", "resnet20"] if args.device == "cpu" else ["resnet50", "resnet20", "mlp"]
+        args.models = ["mlp", "resnet20"] if args.device == "cpu" else ["resnet50", "gpt", "resnet20", "mlp"]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE] + list(args.variants)
     args.variants = [v for v in VARIANTS if v in args.variants]

@@ -14,6 +14,7 @@ from typing import Any, Callable
 VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100")
 REFERENCE = "gradscaler"
 NUM_CLASSES = 10
+VOCABULARY = 256  # gpt: byte tokens, as data.name text
 DATA_BATCHES = 4  # distinct synthetic batches, cycled; every variant sees the same one at the same step
 
 
@@ -21,13 +22,15 @@ DATA_BATCHES = 4  # distinct synthetic batches, cycled; every variant sees the s
 class Workload:
     """One model's benchmark configuration."""
     model: str
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]  # (C, H, W) images, or (T,) tokens for gpt
     batch_size: int
     warmup: int
     steps: int
     repeats: int
     hidden_sizes: tuple[int, ...] | None = None  # mlp
-    width: int | None = None                      # cnn / resnet / vgg
+    width: int | None = None                      # cnn / resnet / vgg; gpt: the embedding width
+    layers: int | None = None                     # gpt
+    heads: int | None = None                      # gpt
     memory_steps: int = 3
 
 
@@ -43,12 +46,18 @@ _DEFAULTS: dict[tuple[str, str], dict[str, Workload]] = {
         "resnet20": Workload("resnet20", (3, 32, 32), 128, warmup=10, steps=25, repeats=5, width=16),
         # The issue's models: torchvision-style ResNet-50 on ImageNet-sized images.
         "resnet50": Workload("resnet50", (3, 224, 224), 64, warmup=10, steps=30, repeats=3),
+        # nanoGPT's character-level Shakespeare model: 6 blocks of width 384, 6 heads, 256 tokens of context.
+        "gpt": Workload("gpt", (256,), 64, warmup=10, steps=30, repeats=3, width=384, layers=6, heads=6),
     },
     ("cpu", "quick"): {
         "mlp": Workload("mlp", (1, 8, 8), 16, warmup=1, steps=4, repeats=1, hidden_sizes=(32, 32), memory_steps=2),
         "resnet20": Workload("resnet20", (3, 8, 8), 4, warmup=1, steps=2, repeats=1, width=4, memory_steps=2),
+        "gpt": Workload("gpt", (16,), 4, warmup=1, steps=2, repeats=1, width=32, layers=1, heads=2, memory_steps=2),
     },
 }
+# On CPU (not run by default: float16 attention is slow there) the shipped configs/gpt.yaml model.
+_DEFAULTS[("cpu", "default")]["gpt"] = Workload("gpt", (64,), 32, warmup=1, steps=6, repeats=3, width=64, layers=2,
+                                                heads=4)
 _DEFAULTS[("cuda", "quick")] = _DEFAULTS[("cpu", "quick")]
 
 
@@ -86,11 +95,15 @@ class Runner:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
         self._cross_entropy = torch.nn.functional.cross_entropy
 
+    def loss(self, x: Any, y: Any) -> Any:
+        """Cross-entropy of the model's output: per image, or per token for a language model's (B, T, V) logits."""
+        logits = self.forward(self.model, x)
+        return self._cross_entropy(logits.flatten(0, -2), y.flatten())
+
     def step(self, x: Any, y: Any) -> None:
         """One training step as the torch backend does it (without reading the loss back)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._cross_entropy(self.forward(self.model, x), y)
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(self.loss(x, y)).backward()
         self.scaler.unscale_(self.optimizer)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -111,19 +124,24 @@ def build_initial(work: Workload, device: str, seed: int = 0):
     from adaloss_cli.config.schema import ModelConfig
 
     cfg: dict[str, Any] = {"name": work.model}
-    if work.hidden_sizes is not None:
-        cfg["hidden_sizes"] = tuple(work.hidden_sizes)
-    if work.width is not None:
-        cfg["width"] = work.width
+    for key in ("hidden_sizes", "width", "layers", "heads"):
+        if getattr(work, key) is not None:
+            cfg[key] = tuple(work.hidden_sizes) if key == "hidden_sizes" else getattr(work, key)
+    language = work.model == "gpt"
+    classes = VOCABULARY if language else NUM_CLASSES
     torch.manual_seed(seed)
     if work.model == "resnet50":  # not in the CLI's zoo: the benchmark's ImageNet-style reference model
         from adaloss_cli.backends.torch.models import resnet50_torchvision_style
         model = resnet50_torchvision_style(NUM_CLASSES, work.input_shape[0]).to(device)
     else:
-        model = build_model(ModelConfig(**cfg), tuple(work.input_shape), NUM_CLASSES).to(device)
+        model = build_model(ModelConfig(**cfg), tuple(work.input_shape), classes).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
-    xs = torch.randn((DATA_BATCHES, work.batch_size, *work.input_shape), generator=gen)
-    ys = torch.randint(0, NUM_CLASSES, (DATA_BATCHES, work.batch_size), generator=gen)
+    if language:  # random byte sequences; the targets are the inputs shifted by one, as in language modelling
+        tokens = torch.randint(0, VOCABULARY, (DATA_BATCHES, work.batch_size, work.input_shape[0] + 1), generator=gen)
+        xs, ys = tokens[..., :-1], tokens[..., 1:]
+    else:
+        xs = torch.randn((DATA_BATCHES, work.batch_size, *work.input_shape), generator=gen)
+        ys = torch.randint(0, NUM_CLASSES, (DATA_BATCHES, work.batch_size), generator=gen)
     batches = [(xs[i].to(device), ys[i].to(device)) for i in range(DATA_BATCHES)]
     return model, batches
 

@@ -20,7 +20,7 @@ def run_benchmarks(*args: str) -> subprocess.CompletedProcess:
 
 def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    done = run_benchmarks("--quick", "--no-memory", "--launches", "--models", "mlp", "--json", str(out))
+    done = run_benchmarks("--quick", "--no-memory", "--launches", "--models", "mlp", "gpt", "--json", str(out))
     assert done.returncode == 0, done.stderr
     for variant in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100"):
         assert re.search(rf"^{variant}\s+[\d.]+\s+[\d.]+", done.stdout, re.M), done.stdout
@@ -35,6 +35,10 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
     assert launches["adaptive-1-fused"]["launches"] < launches["adaptive-1"]["launches"]
     assert "operations per step on the CUDA code path" in done.stdout
+    # The Transformer workload: token ids in, per-token loss, every variant steps it.
+    gpt = json.loads(out.read_text())["models"]["gpt"]
+    assert gpt["workload"]["input_shape"] == [16] and gpt["timing"]["adaptive-1"]["ratio"] > 0
+    assert gpt["launches"]["adaptive-1"]["host_reads"] == 0
 
 
 def test_chainer_benchmark_runs_through_the_same_command():
