@@ -164,7 +164,7 @@ def test_two_accumulated_micro_batches_equal_one_batch_of_twice_the_size(digits,
     ("fixed", {"fixed": {"scale": 1024.0, "skip_on_overflow": True}}, True),
     ("fixed", {"fixed": {"scale": 1024.0, "skip_on_overflow": False}}, False),
     ("none", {}, True),
-    ("adaptive", {}, True),
+    ("adaptive", {"adaptive": {"on_overflow": "skip"}}, True),
 ])
 def test_an_overflowing_step_is_skipped_or_applied_as_configured(digits, batches, method, options, skipped):
     backend = backend_for(make_config("float16", method, loss_scaling=options), digits)
@@ -180,6 +180,17 @@ def test_an_overflowing_step_is_skipped_or_applied_as_configured(digits, batches
         assert any(not np.isfinite(p).all() for p in after.values())
     clean = backend.train_step([batches[1]], lr=0.1)
     assert clean.overflow is (not skipped) and clean.skipped is False
+
+
+def test_adaptive_retries_an_overflowing_batch_by_default_then_skips_it(digits, batches):
+    # The trainer's adaptive default re-runs the batch at the backed-off range; an overflow no scale can remove
+    # (inf inputs) is skipped after max_retries, the weights untouched, and the next batch trains.
+    backend = backend_for(make_config("float16", "adaptive"), digits)
+    before = params(backend)
+    outcome = backend.train_step([overflowing(batches[0])], lr=0.1)
+    assert (outcome.overflow, outcome.skipped, outcome.retries) == (True, True, 3)
+    assert all(np.array_equal(value, before[path]) for path, value in params(backend).items())
+    assert backend.train_step([batches[1]], lr=0.1).skipped is False
 
 
 @pytest.mark.parametrize("method", ["none", "dynamic", "adaptive"])

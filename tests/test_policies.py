@@ -431,9 +431,18 @@ def test_fixed_scale_is_constant_and_skip_on_overflow_decides(skip, action):
 
 
 def test_adaptive_global_scale_is_its_init_scale():
-    p = build_policy(LossScalingConfig(method="adaptive", adaptive=AdaptiveScalingConfig(init_scale=4.0)))
+    p = build_policy(LossScalingConfig(method="adaptive", adaptive=AdaptiveScalingConfig(init_scale=4.0,
+                                                                                          on_overflow="skip")))
     assert isinstance(p, AdaptiveGlobal)
     assert p.update(True) is SKIP and p.update(False) is STEP and p.scale == 4.0
+
+
+def test_adaptive_retries_by_default_in_configs_and_skips_by_default_in_the_library():
+    from adaloss_cli.config.loader import scaling_config
+    p = build_policy(LossScalingConfig(method="adaptive"))
+    assert [p.update(True, attempt=k) for k in range(4)] == [RETRY] * 3 + [SKIP]
+    assert build_policy(scaling_config("adaptive", {})).update(True) is SKIP
+    assert build_policy(scaling_config("adaptive", {"on_overflow": "retry"})).update(True) is RETRY
 
 
 def test_build_policy_covers_every_method_and_rejects_others():
@@ -477,7 +486,7 @@ def test_state_dict_contents_and_counters():
 
 @pytest.mark.parametrize("method", SCALING_METHODS)
 def test_every_policy_round_trips_its_counters(method):
-    a = build_policy(LossScalingConfig(method=method))
+    a = build_policy(LossScalingConfig(method=method, adaptive=AdaptiveScalingConfig(on_overflow="skip")))
     for found in (True, False, True):
         a.update(found)
     b = build_policy(LossScalingConfig(method=method))
