@@ -227,8 +227,8 @@ class AdaptiveScalingConfig:
     growth_interval: int = option(2000, "Clean steps in a row before a backed-off range grows back by "
                                   "1/backoff_factor (up to u_max).", min=1)
     on_overflow: str = option("retry", "retry the same batch with the backed-off range (a rare overflow costs one "
-                              "more forward and backward, not a batch), or skip the step as GradScaler does (the library's "
-                              "LossScaler skips by default: a user's loop does not re-run a batch).",
+                              "more forward and backward, not a batch), or skip the step as GradScaler does (the "
+                              "library's LossScaler skips by default: a user's loop does not re-run a batch).",
                               choices=OVERFLOW_BEHAVIOURS)
     max_retries: int = option(3, "retry: attempts per batch before the step is skipped.", min=1)
 
