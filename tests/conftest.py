@@ -12,6 +12,18 @@ from click.testing import CliRunner
 from adaloss_cli.cli import cli
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is fastest and immune to OpenMP spin-waits on a busy 2-core machine.
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def write_config(path: Path, **sections) -> Path:
     """Write a tiny, fast experiment config (digits, small MLP, a few steps), with sections overridden."""
     data = {

@@ -33,13 +33,7 @@ from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
 F = chainer.functions
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one torch thread is fastest, and immune to OpenMP spin-waits on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PAIRS = {
     # name: (torch builder, chainer builder, input shape)

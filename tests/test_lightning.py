@@ -22,13 +22,7 @@ from framework_helpers import (METHODS, Overflow, autocast_loss, batch, tiny_net
                                update_norm, weights)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is fastest and immune to OpenMP spin-waits on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Classifier(L.LightningModule):

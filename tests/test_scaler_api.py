@@ -27,13 +27,7 @@ RECORDED_STEPS = {0, 2, 4, 5}  # record_every 2, and the last step
 MLP_SCALE_POINTS = {"features.0", "classifier"}  # model mlp, hidden_sizes [32]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is fastest and immune to OpenMP spin-waits on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the same loop for every method ------------------------------------------------------------------------------
