@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -85,3 +86,33 @@ def test_embedded_default_trains_by_name_and_a_real_file_of_that_name_wins(invok
     (tmp_path / "digits").write_text("run: {name: mine}\ntraining: {epochs: 0}\n")
     result = invoke("validate", "digits")
     assert result.exit_code == 2 and "digits:2: training.epochs: got 0" in result.stderr
+
+
+def _first_step_rows(invoke, out, *overrides):
+    """Train vanishing_stress for one step, recorded, and return step 0's scales.csv rows by layer, and the summary."""
+    args = ["train", "--config", "vanishing_stress", "--out", out, "--quiet", "--device", "cpu",
+            "--set", "training.iterations=1", "--set", "output.record_every=1"]
+    for override in overrides:
+        args += ["--set", override]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    with open(out / "scales.csv", newline="") as handle:
+        rows = {row["layer"]: row for row in csv.DictReader(handle) if row["step"] == "0"}
+    return rows, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_vanishing_stress_spans_more_than_any_single_scale_holds_and_adaptive_holds_every_layer(invoke, tmp_path):
+    # The config's claim, on its first step: GradScaler's 2^16 loses every activation gradient of the bottom layer,
+    # 2^24 (bottom still lost) overflows the top, and adaptive keeps all but a sliver in every layer, with scales
+    # more than 2^30 apart.
+    dynamic, _ = _first_step_rows(invoke, tmp_path / "dynamic", "loss_scaling.method=dynamic")
+    assert float(dynamic["features.0"]["underflow_fraction"]) == 1.0
+    fixed, summary = _first_step_rows(invoke, tmp_path / "fixed", "loss_scaling.method=fixed",
+                                      "loss_scaling.fixed.scale=16777216")
+    assert summary["skipped_steps"] == 1 and float(fixed["features.0"]["underflow_fraction"]) > 0.5
+    adaptive, summary = _first_step_rows(invoke, tmp_path / "adaptive")
+    assert summary["skipped_steps"] == 0
+    assert max(float(row["underflow_fraction"]) for row in adaptive.values()) < 0.01
+    spread = float(adaptive["features.0"]["accumulated_scale"]) / float(adaptive["output"]["accumulated_scale"])
+    assert spread >= 2.0 ** 30
