@@ -119,6 +119,14 @@ def test_default_run_directory_is_new_under_output_root_and_named_by_method(invo
         assert (run_dir / "summary.json").is_file()
 
 
+def test_checkpoint_every_null_writes_only_the_final_checkpoint(invoke, tiny_config, tmp_path):
+    # The key's help says "null: only at the end"; the config used to refuse null.
+    out = tmp_path / "run"
+    result = train(invoke, tiny_config, out, "--set", "training.iterations=3", "--set", "output.checkpoint_every=null")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003.ckpt"]
+
+
 def test_train_without_quiet_prints_the_summary(invoke, tiny_config, tmp_path):
     result = invoke("train", "--config", tiny_config, "--out", tmp_path / "run", "--device", "cpu")
     assert result.exit_code == 0, result.output

@@ -248,7 +248,7 @@ class OutputConfig:
     root: str = option("runs", "Folder that holds run directories.")
     record_every: int = option(10, "Record per-layer scales and underflow every N steps.", min=1)
     checkpoint_every: Optional[int] = option(100, "Write a checkpoint every N steps (and always at the end); null: "
-                                             "only at the end.", min=1)
+                                             "only at the end.", min=1, nullable=True)
     keep_checkpoints: int = option(2, "How many of the newest checkpoints to keep.", min=1)
     progress: bool = option(True, "Show a progress bar.")
 
