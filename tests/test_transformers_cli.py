@@ -76,7 +76,7 @@ def test_vit_on_digits_writes_accuracy_and_no_perplexity(invoke, tmp_path, metho
     assert {"output", "patch", "encoder.0.linear1", "encoder.0.linear2", "head"} <= _scale_points(run)
 
 
-def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path):
+def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path, monkeypatch):
     config = write_config(tmp_path / "c.yaml", **GPT, training={"iterations": 2}, precision={"dtype": "float16"})
     out = tmp_path / "cmp"
     result = invoke("compare", "fp32", "dynamic", "--config", config, "--out", out, "--quiet", "--device", "cpu")
@@ -88,6 +88,22 @@ def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path):
     assert [row["method"] for row in rows] == ["fp32", "dynamic"]
     for row in rows:
         assert float(row["final_val_perplexity_mean"]) == pytest.approx(math.exp(float(row["final_val_loss_mean"])))
+    # training.png's right panel is the perplexity, with the values of metrics.csv, not next-token accuracy.
+    from adaloss_cli.results import plots
+    from adaloss_cli.results.comparison import Group
+    from adaloss_cli.results.rundata import RunData
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure))
+    runs = [RunData(out / "runs" / f"{method}-seed0") for method in ("fp32", "dynamic")]
+    plots.plot_training([Group({"method": "fp32"}, runs[:1]), Group({"method": "dynamic"}, runs[1:])],
+                        tmp_path / "t.png", "gpt")
+    panel = figures[0].axes[1]
+    assert panel.get_title() == "Validation perplexity (lower is better)"
+    assert panel.get_ylabel() == "validation perplexity"
+    plotted = [y for line in panel.get_lines() for y in line.get_ydata()]
+    logged = [float(m["val_perplexity"]) for run in runs for m in _metrics(run.path)]
+    assert sorted(plotted) == pytest.approx(sorted(logged))
 
 
 @pytest.mark.parametrize("from_checkpoint", [True, False], ids=["checkpoint", "start"])

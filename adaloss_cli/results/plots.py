@@ -1,6 +1,7 @@
 """Comparison plots (PNG) from child runs' steps.jsonl, metrics.csv and scales.csv.
 
-- ``training.png``: training loss (moving average) and validation accuracy against the optimizer step, per row.
+- ``training.png``: training loss (moving average) and validation accuracy (perplexity for a language model, whose
+  next-token accuracy says little) against the optimizer step, per row.
 - ``loss_scale.png``: the loss scale over training, log scale: one line per fixed/dynamic row (steps.jsonl
   ``scale``), one panel per adaptive row with one line per layer (scales.csv ``accumulated_scale``).
 - ``underflow.png``: a heatmap of the mean underflow fraction per layer (columns) and row (rows).
@@ -88,12 +89,18 @@ def _seeds_note(groups: Sequence[Group]) -> str:
 
 
 def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | None:
-    """Training loss and validation accuracy per row; None when no run logged a step."""
+    """Training loss and validation accuracy (perplexity for language models) per row; None when no run logged a
+    step."""
     if not any(run.steps for group in groups for run in group.runs):
         return None
     colors = _colors(groups)
     figure = _figure(12, 4.6)
     loss_ax, acc_ax = figure.subplots(1, 2)
+    language_model = any("val_perplexity" in m for group in groups for run in group.runs for m in run.metrics)
+    if language_model:
+        metric, name, unit = (lambda m: m.get("val_perplexity", math.nan)), "Validation perplexity", ""
+    else:
+        metric, name, unit = (lambda m: 100 * m.get("val_accuracy", math.nan)), "Validation accuracy", " (%)"
     longest = max(len(run.steps) for group in groups for run in group.runs)
     window = max(1, longest // 40)
     for group in groups:
@@ -108,7 +115,7 @@ def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | Non
                 loss_ax.fill_between(steps, _moving_average(low, window), _moving_average(high, window),
                                      color=color, alpha=0.15, lw=0)
         steps, mean, low, high = _by_step(
-            runs, lambda r: ((m.get("step"), 100 * m.get("val_accuracy", math.nan)) for m in r.metrics))
+            runs, lambda r: ((m.get("step"), metric(m)) for m in r.metrics))
         if steps:
             acc_ax.plot(steps, mean, style, color=color, label=group.label, lw=1.6, marker="o",
                         markersize=4 if len(steps) < 30 else 0)
@@ -118,7 +125,10 @@ def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | Non
     loss_ax.set(title=f"Training loss{smoothing}", xlabel="optimizer step", ylabel="training loss (cross-entropy)")
     if _spans_decades(loss_ax):
         loss_ax.set_yscale("log")
-    acc_ax.set(title="Validation accuracy", xlabel="optimizer step", ylabel="validation accuracy (%)")
+    acc_ax.set(title=name + (" (lower is better)" if language_model else ""), xlabel="optimizer step",
+               ylabel=name.lower() + unit)
+    if language_model and _spans_decades(acc_ax):
+        acc_ax.set_yscale("log")
     for ax in (loss_ax, acc_ax):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
