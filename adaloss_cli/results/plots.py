@@ -95,7 +95,7 @@ def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | Non
         return None
     colors = _colors(groups)
     figure = _figure(12, 4.6)
-    loss_ax, acc_ax = figure.subplots(1, 2)
+    loss_ax, val_ax = figure.subplots(1, 2)
     language_model = any("val_perplexity" in m for group in groups for run in group.runs for m in run.metrics)
     if language_model:
         metric, name, unit = (lambda m: m.get("val_perplexity", math.nan)), "Validation perplexity", ""
@@ -117,19 +117,19 @@ def plot_training(groups: Sequence[Group], path: Path, title: str) -> Path | Non
         steps, mean, low, high = _by_step(
             runs, lambda r: ((m.get("step"), metric(m)) for m in r.metrics))
         if steps:
-            acc_ax.plot(steps, mean, style, color=color, label=group.label, lw=1.6, marker="o",
+            val_ax.plot(steps, mean, style, color=color, label=group.label, lw=1.6, marker="o",
                         markersize=4 if len(steps) < 30 else 0)
             if len(runs) > 1:
-                acc_ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+                val_ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     smoothing = f", moving average over {window} steps" if window > 1 else ""
     loss_ax.set(title=f"Training loss{smoothing}", xlabel="optimizer step", ylabel="training loss (cross-entropy)")
     if _spans_decades(loss_ax):
         loss_ax.set_yscale("log")
-    acc_ax.set(title=name + (" (lower is better)" if language_model else ""), xlabel="optimizer step",
+    val_ax.set(title=name + (" (lower is better)" if language_model else ""), xlabel="optimizer step",
                ylabel=name.lower() + unit)
-    if language_model and _spans_decades(acc_ax):
-        acc_ax.set_yscale("log")
-    for ax in (loss_ax, acc_ax):
+    if language_model and _spans_decades(val_ax):
+        val_ax.set_yscale("log")
+    for ax in (loss_ax, val_ax):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small", loc="best")
