@@ -42,7 +42,9 @@ def _raise_recompile_limit() -> None:
 
 
 def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
-    """A function that calls ``model`` through its transformed graph (the model itself is not modified)."""
+    """A function that calls ``model`` through its transformed graph. The model itself is not modified, except that
+    its ``nn.MultiheadAttention`` modules get a forward Dynamo can trace into (same arithmetic, see attention.py)."""
+    expose_attention(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
@@ -126,7 +128,6 @@ def install(model: nn.Module, state: ScaleState) -> None:
     """Make every call of ``model`` run through its transformed graph, in place (see the module docstring)."""
     if installed_state(model) is not None:
         raise TransformError(f"{type(model).__name__} already has an adaptive LossScaler; build one scaler per model")
-    expose_attention(model)
     model._compiled_call_impl = _Installed(compiled(model, state), state)
 
 
