@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -172,6 +173,54 @@ def test_parameter_gradients_equal_plain_autograd_in_float64(name, method):
     assert_same_grads(grads(model), expected, rtol=1e-10, atol=F64_NOISE)
     state = scaler.state
     assert state.backward_passes == 1 and len(state.names) >= 2
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention in the layouts and options its forward handles differently: batch-first or not, one
+    packed projection or separate q/k/v weights (kdim != embed_dim), with or without a key padding mask."""
+
+    def __init__(self, batch_first: bool, separate: bool, masked: bool):
+        super().__init__()
+        self.batch_first, self.masked = batch_first, masked
+        self.memory = nn.Linear(8, 6 if separate else 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=6 if separate else None,
+                                               vdim=6 if separate else None)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        memory = self.memory(x)
+        pad = None
+        if self.masked:
+            pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            pad[:, -1] = True  # the last position of every sequence is padding
+        if not self.batch_first:
+            x, memory = x.transpose(0, 1), memory.transpose(0, 1)
+        out, _ = self.attention(x, memory, memory, key_padding_mask=pad, need_weights=False)
+        return self.head(out.mean(1 if self.batch_first else 0))
+
+
+@pytest.mark.parametrize("batch_first, separate, masked", [(True, False, False), (False, True, False),
+                                                           (True, False, True)],
+                         ids=["packed", "separate", "masked"])
+def test_multihead_attention_projections_are_scale_points_with_exact_gradients(batch_first, separate, masked):
+    torch.manual_seed(0)
+    model = CrossAttention(batch_first, separate, masked).double()
+    x, y = torch.randn(3, 5, 8, dtype=torch.float64), torch.tensor([0, 1, 3])
+    expected = plain_grads(model, x, y)
+    scaler = LossScaler(model, "adaptive")
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    assert_same_grads(grads(model), expected, rtol=1e-10, atol=F64_NOISE)
+    projections = {"attention.q_proj", "attention.k_proj", "attention.v_proj"} if separate else {"attention.in_proj"}
+    names = set(scaler.state.names)
+    if masked:  # torch's own forward (its mask checks cannot be traced): parameter uses, as before
+        assert not names & (projections | {"attention.out_proj"}), names
+    else:
+        assert projections | {"attention.out_proj"} <= names, names
+    # A copy or a pickle of the converted model runs torch's own attention forward and needs nothing of adaloss.
+    for restored in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert restored.attention.forward.func is nn.MultiheadAttention.forward
+        with torch.no_grad():
+            torch.testing.assert_close(restored(x), model(x))
 
 
 @pytest.mark.parametrize("name", ["resnet18", "bert"])

@@ -73,7 +73,9 @@ def test_vit_on_digits_writes_accuracy_and_no_perplexity(invoke, tmp_path, metho
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model"] == "vit" and 0 <= summary["final_val_accuracy"] <= 1
     assert "final_val_perplexity" not in summary
-    assert {"output", "patch", "encoder.0.linear1", "encoder.0.linear2", "head"} <= _scale_points(run)
+    # Every method measures the same layers, the attention's projections included (nn.MultiheadAttention opened up).
+    assert _scale_points(run) == {"output", "patch", "head", *(f"encoder.0.{name}" for name in (
+        "self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2"))}
 
 
 def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path, monkeypatch):

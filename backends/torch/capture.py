@@ -7,8 +7,10 @@ input shapes, dtypes, autocast or grad mode change. ``torch.fx.symbolic_trace`` 
 it eagerly, so autograd executes the inserted points.
 
 :func:`install` does this in place, the way ``nn.Module.compile`` does: the module object, its parameters and its
-``state_dict`` stay the same, so an optimizer built before or after keeps working. Whole-graph capture is required
-(``fullgraph``): gradient scales cannot be routed across a graph break, so a break is refused with Dynamo's reason.
+``state_dict`` stay the same, so an optimizer built before or after keeps working; each ``nn.MultiheadAttention``
+gets a forward Dynamo can trace into (``attention.py``), so its projections become scale points. Whole-graph capture
+is required (``fullgraph``): gradient scales cannot be routed across a graph break, so a break is refused with
+Dynamo's reason.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .attention import expose_attention, restore_attention
 from .graph_transform import TransformError, transform_graph
 from .scale_state import ScaleState
 
@@ -39,7 +42,9 @@ def _raise_recompile_limit() -> None:
 
 
 def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
-    """A function that calls ``model`` through its transformed graph (the model itself is not modified)."""
+    """A function that calls ``model`` through its transformed graph. The model itself is not modified, except that
+    its ``nn.MultiheadAttention`` modules get a forward Dynamo can trace into (same arithmetic, see attention.py)."""
+    expose_attention(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
@@ -130,6 +135,7 @@ def uninstall(model: nn.Module) -> None:
     """Undo :func:`install`: the model runs its own forward again."""
     if installed_state(model) is not None:
         model._compiled_call_impl = None
+        restore_attention(model)
 
 
 def installed_state(model: nn.Module) -> ScaleState | None:
