@@ -285,24 +285,6 @@ def test_forward_outputs_are_unchanged(name, mode):
 
 # --- 3. in place, shared parameters, refusals --------------------------------------------------------------------
 
-def test_an_optimizer_built_before_the_scaler_trains_the_model():
-    model, x, y = build("mlp")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = LossScaler(model, "adaptive")
-    assert scaler.model is model and model.state_dict().keys() == copy.deepcopy(model).state_dict().keys()
-    losses = []
-    for _ in range(15):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        assert scaler.stepped
-        scaler.update()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-
-
 class Siamese(nn.Module):
     def __init__(self) -> None:
         super().__init__()

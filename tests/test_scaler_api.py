@@ -273,7 +273,9 @@ def test_an_optimizer_built_first_trains_with_every_method(method, options):
     torch.manual_seed(0)
     model = MLP(16, [16], 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    keys = model.state_dict().keys()
     scaler = LossScaler(model, method, **options)
+    assert scaler.model is model and model.state_dict().keys() == keys  # changed in place, nothing renamed
     x, y = torch.randn(16, 1, 4, 4), torch.randint(0, 3, (16,))
     losses = []
     for _ in range(12):
@@ -282,9 +284,10 @@ def test_an_optimizer_built_first_trains_with_every_method(method, options):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
+        assert scaler.stepped
         scaler.update()
         losses.append(loss.item())
-    assert losses[-1] < 0.6 * losses[0], losses
+    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def test_step_returns_what_the_optimizer_returns_and_passes_a_closure_through():
