@@ -18,6 +18,7 @@ import copy
 import pickle
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -513,6 +514,61 @@ def test_device_path_on_cpu_reads_nothing_back_and_trains_exactly_like_the_host_
         assert torch.equal(device_tables[name], expected), name
     for name, expected in host_params.items():
         assert torch.equal(device_params[name], expected), name
+
+
+def _device_step(model, scaler, optimizer, x, y, reads: list) -> dict[str, torch.Tensor]:
+    """One fp16 step on the device path; ``reads`` collects the names of host reads ``scaler.step`` made."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y) * 1e-3
+    scaler.scale(loss).backward()
+    gradients = grads(model)
+    real = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
+    with pytest.MonkeyPatch.context() as m:
+        for name, method in real.items():
+            m.setattr(torch.Tensor, name, lambda t, *a, _n=name, _f=method: reads.append(_n) or _f(t, *a))
+        scaler.step(optimizer)
+    scaler.update()
+    return gradients
+
+
+def test_steps_between_refreshes_on_a_device_apply_host_copies_read_with_the_overflow_flag():
+    """On a device, the refresh step's one host read (the overflow flag) also brings back the factors; the steps
+    until the next refresh apply them as numbers (no 0-d tensor arithmetic, no copy of gy for torch's fused kernel)
+    and give exactly the gradients of applying the device factors."""
+    torch.manual_seed(0)
+    model = CifarResNet(8, 3, 10, width=4)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    with device_scalars():
+        runs = []
+        for m, mirrored in ((model, True), (twin, False)):
+            scaler = LossScaler(m, "adaptive", update_per_n_iteration=3)
+            scaler.state.mirror_between_refreshes = mirrored
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            reads: list = []
+            steps = [_device_step(m, scaler, optimizer, x, y, reads) for _ in range(2)]
+            runs.append((scaler, steps, reads))
+        (scaler, mirrored_steps, reads), (plain, plain_steps, plain_reads) = runs
+        assert reads == plain_reads == ["tolist", "tolist"]  # one read per step, the mirror included
+        mirror = scaler.state.host_mirror
+        assert mirror is not None and plain.state.host_mirror is None
+        n = len(scaler.state.names)
+        for name, copied in zip(("unbound", "factor", "weight_unbound", "weight_factor", "weight_scale"),
+                                mirror.arrays):
+            assert np.array_equal(copied[:n], scaler.state.arrays[name][:n].numpy()), name
+        (plan,) = scaler.state.graphs.values()
+        assert np.array_equal(mirror.tables[plan.key], plan.template.numpy())
+        for mirrored_grads, plain_grads in zip(mirrored_steps, plain_steps):
+            assert_same_grads(mirrored_grads, plain_grads, rtol=0, atol=0)
+
+        model.zero_grad(set_to_none=True)  # a third step, between refreshes: what its backward dispatches
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y) * 1e-3
+        with torch.profiler.profile() as prof:
+            scaler.scale(loss).backward()
+    names = {event.name for event in prof.events()}
+    assert "aten::_amp_foreach_non_finite_check_and_unscale_" not in names and "aten::clone" not in names
 
 
 # --- CUDA -----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
 from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
 from adaloss_cli.core.scale_steps import layer_scale_step
 
-from .scale_ops import divide_to, multiply
+from .scale_ops import divide_to, multiply, same_factor
 from .scale_state import Execution, ScaleState
 
 __all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint"]
@@ -124,11 +124,12 @@ class ScalePoint(nn.Module):
             gb = self.bias_grad(gy, gy.dtype) if needs_b else None
         else:
             factor, weight_factor, weight_scale = factors
-            scaled = multiply(gy, factor) if needs_x or (needs_w and weight_factor is factor) else None
+            shared = same_factor(weight_factor, factor)
+            scaled = multiply(gy, factor) if needs_x or (needs_w and shared) else None
             gx = self.input_grad(scaled, x, x_shape, w) if needs_x else None
             gw = None
             if needs_w:
-                gw_in = scaled if weight_factor is factor else multiply(gy, weight_factor)
+                gw_in = scaled if shared else multiply(gy, weight_factor)
                 gw = self.weight_grad(gw_in, x, w_shape, w)
                 gw = divide_to(gw, weight_scale, _accumulation(gw))
             gb = divide_to(self.bias_grad(gy, _accumulation(gy)), execution.scale_arrays()[0][self.out_slot],

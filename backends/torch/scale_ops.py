@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from adaloss_cli.core.adaptive_stats import underflow_fraction
-from adaloss_cli.core.array_ops import host_view
 from adaloss_cli.core.scale_steps import branch_scale_step, output_scale_step
 
 from .scale_state import Execution, GraphPlan, ScaleState
@@ -47,7 +46,9 @@ def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
 
     A device factor (0-d float32 tensor) goes through torch's fused GradScaler kernel, which multiplies in float32
     by construction (a plain ``g * factor`` casts a 0-d device factor to g's dtype first); its non-finite flag goes
-    to a scratch tensor kept per device (overflow is checked on the parameter gradients)."""
+    to a scratch tensor kept per device (overflow is checked on the parameter gradients). A host factor (a number:
+    every factor on CPU, and on a device between refreshes) is one multiplication: torch keeps a Python number in
+    float32 inside the kernel."""
     if factor is None:
         return g
     if isinstance(factor, torch.Tensor):
@@ -61,6 +62,13 @@ def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
         return out
     value = float(factor)
     return g if value == 1.0 else g * value
+
+
+def same_factor(a: Any, b: Any) -> bool:
+    """Whether two factors are known, without reading a device value, to be equal (then one product serves both)."""
+    if a is b:
+        return True
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and float(a) == float(b)
 
 
 def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -183,7 +191,7 @@ class BranchPoint(nn.Module):
             execution.started_backward()
             multipliers = branch_scale_step(execution, self.in_slot, tensors,
                                             [self.out_slots[i] for i, _ in present],
-                                            host_view(self.state.cache(self.name)))
+                                            execution.cache_view(self.name))
         if multipliers is not None:
             tensors = [multiply(g, m) for g, m in zip(tensors, multipliers)]
         if summed:
@@ -213,7 +221,8 @@ class _Output(torch.autograd.Function):
         if execution.reference_pass:
             return None, None, g.to(ctx.dtype)
         execution.started_backward()
-        factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype, point.cache_view())
+        factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype,
+                                   execution.cache_view(point.name))
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)
         if point.record and execution.recording:
@@ -238,9 +247,6 @@ class OutputPoint(nn.Module):
         object.__setattr__(self, "state", state)
         self.name, self.record = name, record
         self.in_slot = self.out_slot = 0
-
-    def cache_view(self) -> Any:
-        return self.state.cache_view(self.name)
 
     def forward(self, execution: Execution, y: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and y.requires_grad):

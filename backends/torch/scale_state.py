@@ -11,6 +11,12 @@ statistics-based factors, the applied factors and the measurements of recorded s
 On CPU the factor math reads and writes these tensors through NumPy views of the same memory and finishes on
 float32 host scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device and nothing is
 read back during a step.
+
+Between refreshes on CUDA, the steps apply factors that no longer change. The scaler reads them back once, in the same
+device-to-host transfer as the step's overflow flag (the one read a step makes anyway, :meth:`ScaleState.mirror_request`),
+and the steps until the next refresh apply them as host numbers (:class:`HostMirror`): a Python float multiplies an
+fp16 tensor in float32 inside one kernel, where a 0-d device factor needs a copy and torch's fused GradScaler kernel to
+stay in float32, and the scale bookkeeping becomes NumPy arithmetic instead of 0-d tensor operations.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from adaloss_cli.core.adaptive import AdaptiveOptions
@@ -42,6 +49,15 @@ class GraphPlan:
     origin_slot: int = 0
     template: torch.Tensor | None = None
     points: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HostMirror:
+    """Host copies of everything a step between refreshes reads: the per-point arrays (``_POINT_ARRAYS`` order), the
+    caches of output, branch and join points, and the scale table of each captured graph (by plan key)."""
+    arrays: tuple[np.ndarray, ...]
+    caches: dict[str, np.ndarray]
+    tables: dict[int, np.ndarray]
 
 
 class ScaleState(ScaleSchedule):
@@ -73,6 +89,13 @@ class ScaleState(ScaleSchedule):
         self._active: list[Execution] = []
         #: Backward passes through scale points since the scaler last checked (see LossScaler.step).
         self.backward_passes = 0
+        #: Whether steps between refreshes on a device apply host copies of the factors (see :meth:`mirror_request`);
+        #: off, they apply the 0-d device factors (a whole step captured in a CUDA graph needs those).
+        self.mirror_between_refreshes = True
+        #: The host copies the steps until the next refresh apply, and those read back for them this iteration.
+        self.host_mirror: HostMirror | None = None
+        self._pending_mirror: HostMirror | None = None
+        self._mirror_layout: list[tuple[str, Any, int]] = []
         #: Recorded steps: the output points' measured cast underflow, and every point's share of input-gradient
         #: elements that are zero in low precision but not in float32 for any reason (also forward mismatches).
         self.output_records: dict[str, Any] = {}
@@ -172,6 +195,9 @@ class ScaleState(ScaleSchedule):
     def begin(self, plan: GraphPlan) -> "Execution":
         """A new execution of a captured graph (one forward call), with its own scale table."""
         if self.reuse and plan.template is not None:
+            mirror = self.host_mirror
+            if mirror is not None and plan.key in mirror.tables:
+                return Execution(self, plan, mirror.tables[plan.key], mirror)
             table = plan.template.clone()
         else:
             table = torch.full((max(plan.num_slots, 1),), self.loss_scale, dtype=torch.float32, device=self.device)
@@ -191,18 +217,56 @@ class ScaleState(ScaleSchedule):
 
     def finish_iteration(self, retry: bool) -> None:
         """After the optimizer decision: the tables of this iteration's full backward passes become the templates
-        steps until the next refresh reuse."""
+        steps until the next refresh reuse (and their host copies, when the scaler read them back)."""
         if not self.reuse:
             for execution in self._active:
                 execution.plan.template = execution.table
+            self.host_mirror = self._pending_mirror
+        self._pending_mirror = None
         self._active = []
         super().finish_iteration(retry)
 
     def mark_stale(self) -> None:
         """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
         super().mark_stale()
+        self.host_mirror = self._pending_mirror = None
         for plan in getattr(self, "graphs", {}).values():
             plan.template = None
+
+    # -- host copies for the steps between refreshes -----------------------------------------------------------------
+
+    def mirror_request(self) -> torch.Tensor | None:
+        """What the steps until the next refresh need on the host, as one flat float32 device tensor for the scaler
+        to read back with the step's overflow flag (then :meth:`receive_mirror`); None when nothing is needed: on
+        the host path, on steps that applied stored factors themselves, or when the next step refreshes anyway."""
+        if (not (self.adaptive and self.mirror_between_refreshes) or self.reuse or not self._active
+                or scalars_on_host(self.arrays["factor"])
+                or (self.iteration + 1) % self.options.update_per_n_iteration == 0):
+            return None
+        tables = {execution.plan.key: execution.table for execution in self._active}
+        layout = ([("array", name, self.arrays[name].numel()) for name in _POINT_ARRAYS]
+                  + [("cache", name, 1) for name in self.caches]
+                  + [("table", key, table.numel()) for key, table in tables.items()])
+        parts = ([self.arrays[name] for name in _POINT_ARRAYS] + [value.reshape(1) for value in self.caches.values()]
+                 + list(tables.values()))
+        self._mirror_layout = layout
+        return torch.cat([part.reshape(-1).to(self.device, torch.float32) for part in parts])
+
+    def receive_mirror(self, values: list[float]) -> None:
+        """The values of :meth:`mirror_request`, read back: the steps until the next refresh apply these."""
+        flat = np.asarray(values, dtype=np.float32)
+        arrays, caches, tables = [], {}, {}
+        start = 0
+        for kind, key, size in self._mirror_layout:
+            chunk = flat[start:start + size]
+            start += size
+            if kind == "array":
+                arrays.append(chunk)
+            elif kind == "cache":
+                caches[key] = chunk.reshape(())
+            else:
+                tables[key] = chunk
+        self._pending_mirror = HostMirror(tuple(arrays), caches, tables)
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
@@ -235,11 +299,13 @@ class Execution:
     backward). :meth:`scale_arrays` is what ``adaloss_cli.core.scale_steps`` reads and writes.
     """
 
-    __slots__ = ("state", "plan", "table", "options", "adaptive", "refresh", "reuse", "headroom", "origin_slot",
-                 "reference_pass", "recording", "compute_dtype", "pure", "_table_view", "_started")
+    __slots__ = ("state", "plan", "table", "mirror", "options", "adaptive", "refresh", "reuse", "headroom",
+                 "origin_slot", "reference_pass", "recording", "compute_dtype", "pure", "_table_view", "_started")
 
-    def __init__(self, state: ScaleState, plan: GraphPlan, table: torch.Tensor) -> None:
+    def __init__(self, state: ScaleState, plan: GraphPlan, table: Any, mirror: HostMirror | None = None) -> None:
         self.state, self.plan, self.table = state, plan, table
+        #: Host copies of the stored factors (a step between refreshes on a device), or None.
+        self.mirror = mirror
         self.options = state.options
         self.adaptive = state.adaptive
         self.refresh = state.refresh
@@ -252,15 +318,26 @@ class Execution:
         self.compute_dtype: torch.dtype | None = None
         #: Whether this is the pure low-precision mode (casts inside the graph) rather than autocast.
         self.pure = False
-        self._table_view = host_view(table)
+        self._table_view = table if mirror is not None else host_view(table)
         self._started = False
 
     def scale_arrays(self) -> tuple:
         """(table, unbound, factor, weight_unbound, weight_factor, weight_scale) for the core steps. The per-point
         arrays are looked up each time: a graph captured meanwhile may have grown them."""
+        if self.mirror is not None:
+            return (self._table_view, *self.mirror.arrays)
         view = self.state.view
         return (self._table_view, view("unbound"), view("factor"), view("weight_unbound"), view("weight_factor"),
                 view("weight_scale"))
+
+    def cache_view(self, name: str) -> Any:
+        """The cache of an output, branch or join point as the core steps use it (its host copy between refreshes
+        on a device)."""
+        if self.mirror is not None:
+            found = self.mirror.caches.get(name)
+            if found is not None:
+                return found
+        return self.state.cache_view(name)
 
     def started_backward(self) -> None:
         """The first backward node of this execution tells the state (once)."""

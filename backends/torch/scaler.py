@@ -226,7 +226,8 @@ class LossScaler:
         the optimizer returned, or None when the step was skipped (:attr:`stepped` says which).
 
         ``loss`` (optional, keyword) is read back in the same device-to-host transfer as the overflow flag and kept
-        in ``last_loss``, so logging the loss costs no extra synchronisation. After an overflow, ``last_action``
+        in ``last_loss``, so logging the loss costs no extra synchronisation; so are, after a refresh on a device,
+        the adaptive factors the steps until the next refresh apply. After an overflow, ``last_action``
         says whether the policy wants the step skipped or the same batch retried with the new scale.
         """
         if not self.enabled:
@@ -238,7 +239,13 @@ class LossScaler:
             values = torch.cat([values, loss.detach().reshape(1).float().to(values.device)])
         if self.process_group is not None:
             values = self._all_reduce(values)
+        mirror = self.state.mirror_request() if self.state is not None else None
+        if mirror is not None:  # the factors of the steps until the next refresh, in the same read
+            values = torch.cat([values, mirror.to(values.device)])
         found, *rest = values.tolist()
+        if mirror is not None:
+            self.state.receive_mirror(rest[len(rest) - mirror.numel():])
+            del rest[len(rest) - mirror.numel():]
         if rest:
             self.last_loss = rest[0]
         self.found_overflow = bool(found)
