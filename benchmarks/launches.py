@@ -7,10 +7,13 @@ tensors under ``torch.profiler``, and
 
 - ``ops``: every ATen operation dispatched in one step (forward, backward, scale logic, unscale, optimizer);
 - ``launches``: the leaf operations that do work (ATen operations with no ATen operation inside them, less views,
-  metadata and allocations): each launches at least one CUDA kernel. For the fused variant (``adaptive-1-fused``,
-  the compiled refresh that CUDA runs by default), each call of a compiled region adds the kernels Inductor
-  generated for it (``torch._inductor.metrics``), averaged over its compiled graphs;
-- ``host_reads``: values read back to the host (the one skip decision, as GradScaler).
+  metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes of a 0-d operand
+  first (a Python number, a 0-d tensor) are left out of both counts: CUDA kernels take those as they are. For the
+  fused variant (``adaptive-1-fused``, the compiled refresh that CUDA runs by default), each call of a compiled
+  region adds the kernels Inductor generated for it (``torch._inductor.metrics``), averaged over its compiled
+  graphs;
+- ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
+  skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read.
 
 It is a proxy: it does not see launch latency or kernel duration, but it moves with every change that adds or
 removes work from the step, on every machine. ``python -m benchmarks --launches`` prints it (also in the JSON).
@@ -28,7 +31,8 @@ _NO_KERNEL = frozenset({
     "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias", "reshape", "view_as",
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_", "resize_",
     "result_type", "is_nonzero", "size", "stride", "numel", "_nnpack_available", "promote_types", "resolve_conj",
-    "resolve_neg", "_local_scalar_dense", "item"})
+    "resolve_neg", "_local_scalar_dense", "item",
+    "to"})  # ``to`` itself launches nothing: a conversion that copies does so in its ``_to_copy`` child
 #: The extra variant this module adds: adaptive-1 with the compiled (fused) refresh.
 FUSED = "adaptive-1-fused"
 
@@ -38,11 +42,18 @@ def count_step(step: Any) -> dict[str, Any]:
     import torch
     from torch._inductor import metrics
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    events = prof.events()
+    lists = []  # ``tolist`` reads without dispatching an ATen operation: counted at the call
+    tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)  # type: ignore[method-assign]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    reads = len(lists)
+    events = [event for event in prof.events() if not _cpu_only(event)]
     leaves: Counter = Counter()
-    ops = reads = compiled_calls = 0
+    ops = compiled_calls = 0
     for event in events:
         if event.name == "AOTDispatcher Runtime Wrapper Prologue":  # one call of an Inductor-compiled region
             compiled_calls += 1
@@ -51,11 +62,26 @@ def count_step(step: Any) -> dict[str, Any]:
         ops += 1
         name = event.name[len("aten::"):]
         reads += name == "_local_scalar_dense"
-        if name not in _NO_KERNEL and not any(c.name.startswith("aten::") for c in event.cpu_children):
+        if name not in _NO_KERNEL and not any(c.name.startswith("aten::") and not _cpu_only(c)
+                                              for c in event.cpu_children):
             leaves[name] += 1
     per_graph = getattr(metrics, "generated_kernel_count", 0) / max(getattr(metrics, "_adaloss_graphs", 0), 1)
     return {"ops": ops, "launches": sum(leaves.values()) + round(compiled_calls * per_graph),
             "host_reads": reads, "top": leaves.most_common(8)}
+
+
+def _cpu_only(event: Any) -> bool:
+    """Whether a profiled event is work only the CPU kernels do: the cast of a 0-d operand (a Python number or a
+    0-d tensor) inside another operation, and everything under it. On CPU, TensorIterator casts such an operand to
+    the operation's dtype first; a CUDA kernel takes a number as an argument and casts a 0-d tensor as it reads it,
+    so neither launches anything there."""
+    while event is not None:
+        parent = event.cpu_parent
+        if (event.name == "aten::to" and parent is not None and parent.name.startswith("aten::")
+                and parent.name != "aten::to" and event.input_shapes and event.input_shapes[0] == []):
+            return True
+        event = parent
+    return False
 
 
 def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
