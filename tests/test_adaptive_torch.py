@@ -600,14 +600,15 @@ def test_cuda_forward_and_backward_never_synchronise(method):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-factor", "host-factor"])
 @pytest.mark.parametrize("factor", [2.0 ** 16, 3 * 2.0 ** -25])
-def test_cuda_factors_beyond_fp16_range_are_applied_in_float32(factor):
+def test_cuda_factors_beyond_fp16_range_are_applied_in_float32(factor, on_device):
     """A factor of 2**16 is inf in fp16 and 3 * 2**-25 rounds to a different value: the product must be formed in
-    float32 and rounded once."""
+    float32 and rounded once, for a 0-d device factor (refresh steps) and a host number (steps between)."""
     from adaloss_cli.backends.torch.scale_ops import multiply
 
     g = torch.tensor([2.0 ** -20, 1.0, -3.0], dtype=torch.float16, device="cuda")
-    got = multiply(g, torch.tensor(factor, device="cuda"))
+    got = multiply(g, torch.tensor(factor, device="cuda") if on_device else np.float32(factor))
     expected = (g.double() * factor).half()
     assert got.dtype == torch.float16 and torch.equal(got, expected)
 
