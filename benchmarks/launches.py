@@ -33,6 +33,9 @@ _NO_KERNEL = frozenset({
     "result_type", "is_nonzero", "size", "stride", "numel", "_nnpack_available", "promote_types", "resolve_conj",
     "resolve_neg", "_local_scalar_dense", "item",
     "to"})  # ``to`` itself launches nothing: a conversion that copies does so in its ``_to_copy`` child
+# Elementwise ATen operations (TensorIterator): on CUDA they read operands of another dtype as they are.
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "where", "lt", "le", "gt", "ge", "eq",
+                          "ne", "pow", "logical_and", "logical_or", "bitwise_and", "bitwise_or"})
 #: The extra variant this module adds: adaptive-1 with the compiled (fused) refresh.
 FUSED = "adaptive-1-fused"
 
@@ -71,15 +74,16 @@ def count_step(step: Any) -> dict[str, Any]:
 
 
 def _cpu_only(event: Any) -> bool:
-    """Whether a profiled event is work only the CPU kernels do: the cast of a 0-d operand (a Python number or a
-    0-d tensor) inside another operation, and everything under it. On CPU, TensorIterator casts such an operand to
-    the operation's dtype first; a CUDA kernel takes a number as an argument and casts a 0-d tensor as it reads it,
-    so neither launches anything there."""
+    """Whether a profiled event is work only the CPU kernels do: an elementwise operation's cast of an operand to
+    the operation's dtype, and everything under it, and the cast of a 0-d operand (a Python number or a 0-d tensor)
+    inside any operation. On CPU, TensorIterator makes such a cast before the kernel runs; a CUDA kernel takes a
+    number as an argument and casts every other operand as it reads it, so none of them launches anything there."""
     while event is not None:
         parent = event.cpu_parent
-        if (event.name == "aten::to" and parent is not None and parent.name.startswith("aten::")
-                and parent.name != "aten::to" and event.input_shapes and event.input_shapes[0] == []):
-            return True
+        if event.name == "aten::to" and parent is not None and parent.name.startswith("aten::"):
+            zero_d = bool(event.input_shapes) and event.input_shapes[0] == []
+            if parent.name[len("aten::"):] in _ELEMENTWISE or (zero_d and parent.name != "aten::to"):
+                return True
         event = parent
     return False
 

@@ -131,6 +131,8 @@ class ScalePoint(nn.Module):
             if needs_w:
                 gw_in = scaled if shared else multiply(gy, weight_factor)
                 gw = self.weight_grad(gw_in, x, w_shape, w)
+                if execution.mirror is not None:  # the device's copy of the same scale divides in one kernel
+                    weight_scale = self.state.arrays["weight_scale"][self.index:self.index + 1]
                 gw = divide_to(gw, weight_scale, _accumulation(gw))
             gb = divide_to(self.bias_grad(gy, _accumulation(gy)), execution.scale_arrays()[0][self.out_slot],
                            _accumulation(gy)) if needs_b else None

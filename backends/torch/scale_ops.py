@@ -73,7 +73,11 @@ def same_factor(a: Any, b: Any) -> bool:
 
 def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
     """g / scale computed in float32 (float64 stays float64), returned in ``dtype`` (parameter gradients leave
-    backward unscaled)."""
+    backward unscaled). A low-precision g and a device scale are one kernel: as a one-element tensor (not 0-d) the
+    scale takes part in type promotion, so the quotient is float32 and g widens as the kernel reads it."""
+    if isinstance(scale, torch.Tensor) and g.dtype in (torch.float16, torch.bfloat16):
+        quotient = torch.div(g, scale.reshape(1))
+        return quotient if quotient.dtype == dtype else quotient.to(dtype)
     g = g if g.dtype in (torch.float32, torch.float64) else g.float()
     if isinstance(scale, torch.Tensor):
         g = g / scale
