@@ -613,26 +613,38 @@ def test_cuda_factors_beyond_fp16_range_are_applied_in_float32(factor, on_device
     assert got.dtype == torch.float16 and torch.equal(got, expected)
 
 
-def test_the_fused_refresh_gives_the_factors_and_gradients_of_the_reference_path():
-    """The compiled refresh (statistics and factor math fused by Inductor; what CUDA runs by default) computes the
-    same factors, scales and gradients as the plain device path, on the same inputs."""
+@pytest.mark.parametrize("kind", ["mlp", "resnet"])
+def test_the_fused_refresh_gives_the_factors_and_gradients_of_the_reference_path(kind):
+    """The compiled refresh (statistics, factor math and the state's reads and writes fused by Inductor, for scale,
+    branch and output points; what CUDA runs by default) computes the same factors, scales, caches and gradients as
+    the plain device path, on the same inputs."""
     results = []
     for fused in (False, True):
         torch.manual_seed(0)
-        model = MLP(64, [32, 32], 10)
+        model = MLP(64, [32, 32], 10) if kind == "mlp" else CifarResNet(8, 3, 10, width=4)
+        x = torch.randn(8, 1, 8, 8) if kind == "mlp" else torch.randn(8, 3, 8, 8)
+        y = torch.randint(0, 10, (8,))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with device_scalars():
             scaler = LossScaler(model, "adaptive", fused=fused)
-            x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
             for _ in range(2):
                 model.zero_grad(set_to_none=True)
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = F.cross_entropy(model(x), y) * 1e-4
                 scaler.scale(loss).backward()
                 scaler.update()
-        n = len(scaler.state.names)
-        results.append(({k: scaler.state.arrays[k][:n].clone() for k in ("unbound", "factor", "weight_factor",
-                                                                           "weight_scale")}, grads(model)))
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs - 1  # less the model's capture
+        if fused:  # one graph or more per kind of point: layers, the output (and branches)
+            assert compiled >= (2 if kind == "mlp" else 3)
+        else:
+            assert compiled == 0
+        state = scaler.state
+        n = len(state.names)
+        arrays = {k: state.arrays[k][:n].clone() for k in ("unbound", "factor", "weight_factor", "weight_scale")}
+        arrays.update({f"cache {name}": value.clone() for name, value in state.caches.items()})
+        results.append((arrays, grads(model)))
     (plain_arrays, plain_grads_), (fused_arrays, fused_grads) = results
+    assert fused_arrays.keys() == plain_arrays.keys()
     for name, value in plain_arrays.items():
         torch.testing.assert_close(fused_arrays[name], value, rtol=1e-6, atol=0, msg=name)
     assert_same_grads(fused_grads, plain_grads_, rtol=0, atol=0)

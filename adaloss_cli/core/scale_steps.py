@@ -23,7 +23,8 @@ from .range_bounds import _output_factor, _weight_gradient_bound, abs_sum_max
 _SCALAR_TYPES = (int, float, np.generic)
 from .array_ops import ops_for
 
-__all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refresh_factors"]
+__all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refresh_branch", "refresh_factors",
+           "refresh_layer", "refresh_output"]
 
 
 def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
@@ -36,27 +37,43 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     multiplies gy for the weight (and bias) gradient, which then carries A_w = A * s_w: the backend divides it by
     A_w. On refresh iterations the statistics come from gy, ``weight`` (the layer's weight or its
     :func:`~.adaptive.weight_statistics`) and ``x_bound`` (the layer input, whose feature axis is ``x_axis``, or
-    its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_factors`
-    or ``refresh``, a drop-in replacement of it (a compiled one, whose statistics and factor math run as a few
-    fused kernels). All values are 0-d device arrays, or float32 scalars for arrays in host memory.
+    its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_layer`
+    or ``refresh``, a drop-in replacement of it (a compiled one, whose reads, statistics, factor math and writes
+    run as a few fused kernels). All values are 0-d device arrays, or float32 scalars for arrays in host memory.
     """
-    table, unbound, factors, weight_unbound, weight_factors, weight_scales = state.scale_arrays()
+    arrays = state.scale_arrays()
+    table, unbound, factors, weight_unbound, weight_factors, weight_scales = arrays
     if state.reuse:
         return factors[index], weight_factors[index], weight_scales[index]
-    accum = table[out_slot]
     if not state.adaptive:
-        table[in_slot] = accum
+        table[in_slot] = table[out_slot]
         return None
-    origin = table[state.origin_slot]
     if state.refresh:
-        compute = refresh or refresh_factors
-        values = compute(gy, weight, x_bound, accum, origin, fan=fan, axes=axes, x_axis=x_axis,
-                         options=state.options, headroom=state.headroom)
-        unbound[index], weight_unbound[index] = values[0], values[1]
-    else:
-        ops = ops_for(gy)
-        with ops.quiet():
-            values = _bounded(ops.scalars, unbound[index], weight_unbound[index], accum, origin, state.options)
+        return (refresh or refresh_layer)(*arrays, gy, weight, x_bound, index=index, in_slot=in_slot,
+                                          out_slot=out_slot, origin_slot=state.origin_slot, fan=fan, axes=axes,
+                                          x_axis=x_axis, options=state.options, headroom=state.headroom)
+    accum = table[out_slot]
+    ops = ops_for(gy)
+    with ops.quiet():
+        values = _bounded(ops.scalars, unbound[index], weight_unbound[index], accum, table[state.origin_slot],
+                          state.options)
+    return _store(arrays, index, in_slot, values)
+
+
+def refresh_layer(table: Any, unbound: Any, factors: Any, weight_unbound: Any, weight_factors: Any,
+                  weight_scales: Any, gy: Any, weight: Any, x_bound: Any, *, index: int, in_slot: int,
+                  out_slot: int, origin_slot: int, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """A refresh of scale point ``index``: reads its scales from the table, computes :func:`refresh_factors` and
+    writes the results to the arrays; returns (s, s_w, A_w). One function, so that a compiled version of it fuses
+    the reads and writes into the kernels of the factor math."""
+    values = refresh_factors(gy, weight, x_bound, table[out_slot], table[origin_slot], **kwargs)
+    unbound[index], weight_unbound[index] = values[0], values[1]
+    return _store((table, unbound, factors, weight_unbound, weight_factors, weight_scales), index, in_slot, values)
+
+
+def _store(arrays: tuple, index: int, in_slot: int, values: tuple) -> tuple[Any, Any, Any]:
+    """Writes (s, s_w, A * s, A * s_w), the last four of ``values``; returns (s, s_w, A_w)."""
+    table, _, factors, _, weight_factors, weight_scales = arrays
     factor, weight_factor, in_scale, weight_scale = values[-4:]
     factors[index] = factor
     weight_factors[index] = weight_factor
@@ -102,10 +119,12 @@ def _weight_factor(sops: Any, factor: Any, bound: Any, accum: Any, opts: Any) ->
     return _floor_power_of_two(sops, bound) if opts.power_of_two else bound
 
 
-def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any) -> list | None:
+def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any,
+                      refresh: Callable[..., list] | None = None) -> list | None:
     """A branch or join point's backward bookkeeping: the multiplier of each incoming gradient (None: leave them as
     they are) and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale
-    between refreshes: with the factors reused, the incoming scales are the same as then.
+    between refreshes: with the factors reused, the incoming scales are the same as then. On refresh iterations
+    the common scale comes from :func:`refresh_branch`, or ``refresh``, a drop-in (compiled) replacement of it.
 
     The common scale keeps every rescaled gradient below h * u_max (DESIGN.md 2.3); for max_range below
     h * u_max / k for k gradients, so that their sum cannot overflow either.
@@ -119,23 +138,33 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     if state.reuse:
         return [cache / a for a in scales]
     if state.refresh:
-        ops = ops_for(grads[0])
         opts = state.options
         limit = opts.range_for(grads[0].dtype)[1] * state.headroom
         if opts.method == "max_range":
             limit /= len(grads)
-        with ops.quiet():
-            common, multipliers = _branch_common_scale(ops, grads, scales, limit)
-        cache[...] = common
+        multipliers = (refresh or refresh_branch)(list(grads), scales, cache, limit=limit)
     else:
         multipliers = [cache / a for a in scales]
     table[in_slot] = cache
     return multipliers
 
 
-def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
+def refresh_branch(grads: list, scales: list, cache: Any, *, limit: float) -> list:
+    """A branch or join point's refresh: the common scale of ``grads`` (at ``scales``) that keeps each of them
+    below ``limit``, written to ``cache``; returns each gradient's multiplier. A pure function apart from that
+    write, so that a backend may compile it as it is."""
+    ops = ops_for(grads[0])
+    with ops.quiet():
+        common, multipliers = _branch_common_scale(ops, grads, scales, limit)
+    cache[...] = common
+    return multipliers
+
+
+def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any,
+                      refresh: Callable[..., None] | None = None) -> Any:
     """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
-    statistics into ``cache`` (a 0-d float32 array), and A * s written to ``in_slot``."""
+    statistics into ``cache`` (a 0-d float32 array) by :func:`refresh_output` or ``refresh`` (a drop-in compiled
+    replacement), and A * s written to ``in_slot``."""
     if state.reuse:
         return cache
     table = state.scale_arrays()[0]
@@ -143,8 +172,15 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        ops = ops_for(g)
-        with ops.quiet():
-            cache[...] = _output_factor(ops, g, target_dtype, state.options, state.headroom)
+        (refresh or refresh_output)(g, cache, target_dtype=target_dtype, options=state.options,
+                                    headroom=state.headroom)
     table[in_slot] = table[out_slot] * cache
     return cache
+
+
+def refresh_output(g: Any, cache: Any, *, target_dtype: Any, options: Any, headroom: float) -> None:
+    """An output point's refresh: the factor that brings g's largest magnitude to the top of ``target_dtype``'s
+    range (less the headroom), written to ``cache``."""
+    ops = ops_for(g)
+    with ops.quiet():
+        cache[...] = _output_factor(ops, g, target_dtype, options, headroom)

@@ -147,9 +147,10 @@ class ScalePoint(nn.Module):
         if execution.refresh and execution.adaptive:
             weight = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
             if needs_w and options.exact_bounds:
-                x_input = x
+                x_input = x.detach()  # a saved input may require grad: one compiled refresh serves both
+        fused = self.state.fused_refresh
         return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
-                                self.axes, x_input, self.x_axis, self.state.fused_refresh)
+                                self.axes, x_input, self.x_axis, fused.layer if fused is not None else None)
 
     def _record(self, execution: Execution, gx: torch.Tensor) -> None:
         """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32

@@ -86,6 +86,12 @@ def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
     return g if g.dtype == dtype else g.to(dtype)
 
 
+def _fused(state: ScaleState, kind: str) -> Any:
+    """The state's compiled refresh of a kind of point, or None for the plain one."""
+    fused = state.fused_refresh
+    return None if fused is None else getattr(fused, kind)
+
+
 class Begin(nn.Module):
     """The first node of a transformed graph: starts an execution (its own scale table) and fixes its compute
     dtype from the autocast state (or the scaler's pure low-precision mode)."""
@@ -195,7 +201,7 @@ class BranchPoint(nn.Module):
             execution.started_backward()
             multipliers = branch_scale_step(execution, self.in_slot, tensors,
                                             [self.out_slots[i] for i, _ in present],
-                                            execution.cache_view(self.name))
+                                            execution.cache_view(self.name), _fused(self.state, "branch"))
         if multipliers is not None:
             tensors = [multiply(g, m) for g, m in zip(tensors, multipliers)]
         if summed:
@@ -226,7 +232,7 @@ class _Output(torch.autograd.Function):
             return None, None, g.to(ctx.dtype)
         execution.started_backward()
         factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype,
-                                   execution.cache_view(point.name))
+                                   execution.cache_view(point.name), _fused(point.state, "output"))
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)
         if point.record and execution.recording:

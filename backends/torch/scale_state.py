@@ -60,6 +60,30 @@ class HostMirror:
     tables: dict[int, np.ndarray]
 
 
+@dataclass
+class FusedRefresh:
+    """Compiled drop-in replacements of the core's refresh functions (``adaloss_cli.core.scale_steps``)."""
+    layer: Any
+    branch: Any
+    output: Any
+
+
+def _compiled(function: Any, gy_at: int = 0) -> Any:
+    """``function`` compiled whole (fullgraph, dynamic shapes), called through a wrapper that first makes the array
+    namespace of its gradient argument (positional ``gy_at``, or the first of a list there): creating one imports
+    modules, which Dynamo cannot trace."""
+    from adaloss_cli.core.array_ops import ops_for
+
+    compiled = torch.compile(function, fullgraph=True, dynamic=True)
+
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        gy = args[gy_at]
+        ops_for(gy[0] if isinstance(gy, list) else gy)
+        return compiled(*args, **kwargs)
+
+    return fused
+
+
 class ScaleState(ScaleSchedule):
     """Shared state of one model under adaptive scaling (``options`` None: measure-only, every factor 1).
 
@@ -73,8 +97,8 @@ class ScaleState(ScaleSchedule):
         self.note_origin_scale(self.loss_scale)
         #: Compute dtype for the pure (non-autocast) low-precision path: casts happen inside the graph.
         self.pure_dtype: torch.dtype | None = None
-        #: A compiled ``refresh_factors`` (see :meth:`use_fused_refresh`), or None for the plain one.
-        self.fused_refresh: Any = None
+        #: Compiled refresh functions (see :meth:`use_fused_refresh`), or None for the plain ones.
+        self.fused_refresh: FusedRefresh | None = None
         self._fused_choice: bool | None = False
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
@@ -163,26 +187,19 @@ class ScaleState(ScaleSchedule):
         return host_view(self.cache(name))
 
     def use_fused_refresh(self, enabled: bool | None) -> None:
-        """Run each scale point's refresh (statistics of gy, W and x, and the factor math) as one compiled function
-        (torch.compile, Inductor): a few fused kernels instead of dozens of 0-d operations. Only the device path
-        can use it (host scalars on CPU are cheaper still); the first refresh of each kind of layer compiles.
-        None: on CUDA only, decided again when the state moves (:meth:`to`)."""
-        from adaloss_cli.core.array_ops import ops_for
-        from adaloss_cli.core.scale_steps import refresh_factors
+        """Run the refresh of each scale, branch, join and output point (statistics, factor math, and the reads and
+        writes of the state) as a compiled function (torch.compile, Inductor): a few fused kernels instead of
+        dozens of 0-d operations. Only the device path can use it (host scalars on CPU are cheaper still); the
+        first refresh of each kind of point compiles. None: on CUDA only, decided again when the state moves
+        (:meth:`to`)."""
+        from adaloss_cli.core import scale_steps
 
         self._fused_choice = enabled
         if enabled is None:
             enabled = self.device.type == "cuda"
-        if not enabled:
-            self.fused_refresh = None
-            return
-        compiled = torch.compile(refresh_factors, fullgraph=True, dynamic=True)
-
-        def fused(gy: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
-            ops_for(gy)  # made outside the compiled region: creating it imports modules, which Dynamo cannot trace
-            return compiled(gy, *args, **kwargs)
-
-        self.fused_refresh = fused
+        self.fused_refresh = FusedRefresh(
+            layer=_compiled(scale_steps.refresh_layer, gy_at=6), branch=_compiled(scale_steps.refresh_branch),
+            output=_compiled(scale_steps.refresh_output)) if enabled else None
 
     # -- graphs and executions -------------------------------------------------------------------------------------
 
