@@ -40,6 +40,24 @@ __all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "mul
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
+class Applied:
+    """A factor the compiled refresh has already applied: ``scaled`` is ``source`` times ``factor``, computed in
+    the same fused kernels as the factor itself (:func:`multiply` hands it back instead of a second pass)."""
+
+    __slots__ = ("factor", "scaled", "source")
+
+    def __init__(self, factor: torch.Tensor, scaled: torch.Tensor, source: torch.Tensor) -> None:
+        self.factor, self.scaled, self.source = factor, scaled, source
+
+
+def times(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """g times a 0-d float32 factor, computed in float32 and rounded once to g's dtype, written for a compiled
+    function (Inductor fuses the widening, the product and the rounding into one pass over g)."""
+    if g.dtype in (torch.float32, torch.float64):
+        return g * factor.to(g.dtype)
+    return (g.float() * factor).to(g.dtype)
+
+
 def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
     """g times a factor from the core, formed in float32 and rounded once to g's dtype (never the factor cast to
     g's dtype: 2**16 would become inf and 3 * 2**-25 zero in fp16). A host factor of 1, or None, returns g itself.
@@ -51,6 +69,10 @@ def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
     float32 inside the kernel."""
     if factor is None:
         return g
+    if isinstance(factor, Applied):
+        if factor.source is g:
+            return factor.scaled
+        factor = factor.factor
     if isinstance(factor, torch.Tensor):
         if g.dtype == torch.float32:
             return g * factor
@@ -68,6 +90,8 @@ def same_factor(a: Any, b: Any) -> bool:
     """Whether two factors are known, without reading a device value, to be equal (then one product serves both)."""
     if a is b:
         return True
+    if isinstance(a, Applied) or isinstance(b, Applied):
+        return False
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and float(a) == float(b)
 
 

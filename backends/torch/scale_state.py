@@ -68,20 +68,68 @@ class FusedRefresh:
     output: Any
 
 
-def _compiled(function: Any, gy_at: int = 0) -> Any:
+def _compiled(function: Any) -> Any:
     """``function`` compiled whole (fullgraph, dynamic shapes), called through a wrapper that first makes the array
-    namespace of its gradient argument (positional ``gy_at``, or the first of a list there): creating one imports
-    modules, which Dynamo cannot trace."""
+    namespace of its gradients: creating one imports modules, which Dynamo cannot trace."""
     from adaloss_cli.core.array_ops import ops_for
 
     compiled = torch.compile(function, fullgraph=True, dynamic=True)
 
-    def fused(*args: Any, **kwargs: Any) -> Any:
-        gy = args[gy_at]
-        ops_for(gy[0] if isinstance(gy, list) else gy)
+    def fused(gradient: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        ops_for(gradient)
         return compiled(*args, **kwargs)
 
     return fused
+
+
+def _layer_refresh() -> Any:
+    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_layer`, which also applies both factors to gy in
+    its own kernels: (:class:`Applied` s, :class:`Applied` s_w, A_w)."""
+    from adaloss_cli.core.scale_steps import refresh_layer
+
+    from .scale_ops import Applied, times
+
+    def refresh_and_apply(*args: Any, **kwargs: Any) -> tuple:
+        factor, weight_factor, weight_scale = refresh_layer(*args, **kwargs)
+        gy = args[6]
+        return factor, weight_factor, weight_scale, times(gy, factor), times(gy, weight_factor)
+
+    compiled = _compiled(refresh_and_apply)
+
+    def refresh(*args: Any, **kwargs: Any) -> tuple:
+        gy = args[6]
+        factor, weight_factor, weight_scale, scaled, weight_scaled = compiled(gy, *args, **kwargs)
+        return Applied(factor, scaled, gy), Applied(weight_factor, weight_scaled, gy), weight_scale
+
+    return refresh
+
+
+def _branch_refresh() -> Any:
+    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_branch`, which also applies each multiplier to
+    its gradient in its own kernels: one :class:`Applied` per gradient."""
+    from adaloss_cli.core.scale_steps import refresh_branch
+
+    from .scale_ops import Applied, times
+
+    def refresh_and_apply(grads: list, *args: Any, **kwargs: Any) -> tuple:
+        multipliers = refresh_branch(grads, *args, **kwargs)
+        return multipliers, [times(g, m) for g, m in zip(grads, multipliers)]
+
+    compiled = _compiled(refresh_and_apply)
+
+    def refresh(grads: list, *args: Any, **kwargs: Any) -> list:
+        multipliers, scaled = compiled(grads[0], grads, *args, **kwargs)
+        return [Applied(m, t, g) for m, t, g in zip(multipliers, scaled, grads)]
+
+    return refresh
+
+
+def _output_refresh() -> Any:
+    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_output`."""
+    from adaloss_cli.core.scale_steps import refresh_output
+
+    compiled = _compiled(refresh_output)
+    return lambda g, *args, **kwargs: compiled(g, g, *args, **kwargs)
 
 
 class ScaleState(ScaleSchedule):
@@ -192,14 +240,11 @@ class ScaleState(ScaleSchedule):
         dozens of 0-d operations. Only the device path can use it (host scalars on CPU are cheaper still); the
         first refresh of each kind of point compiles. None: on CUDA only, decided again when the state moves
         (:meth:`to`)."""
-        from adaloss_cli.core import scale_steps
-
         self._fused_choice = enabled
         if enabled is None:
             enabled = self.device.type == "cuda"
-        self.fused_refresh = FusedRefresh(
-            layer=_compiled(scale_steps.refresh_layer, gy_at=6), branch=_compiled(scale_steps.refresh_branch),
-            output=_compiled(scale_steps.refresh_output)) if enabled else None
+        self.fused_refresh = FusedRefresh(layer=_layer_refresh(), branch=_branch_refresh(),
+                                          output=_output_refresh()) if enabled else None
 
     # -- graphs and executions -------------------------------------------------------------------------------------
 
