@@ -317,6 +317,7 @@ class ScaleState(ScaleSchedule):
     def receive_mirror(self, values: list[float]) -> None:
         """The values of :meth:`mirror_request`, read back: the steps until the next refresh apply these."""
         flat = np.asarray(values, dtype=np.float32)
+        flat.flags.writeable = False  # steps between refreshes only read them; a write would be a bug, loudly
         arrays, caches, tables = [], {}, {}
         start = 0
         for kind, key, size in self._mirror_layout:
