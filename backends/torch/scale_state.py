@@ -82,6 +82,10 @@ def _compiled(function: Any) -> Any:
     return fused
 
 
+#: Where ``refresh_layer`` takes gy among its positional arguments: after the scale table and the five point arrays.
+_GY = 1 + len(_POINT_ARRAYS)
+
+
 def _layer_refresh() -> Any:
     """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_layer`, which also applies both factors to gy in
     its own kernels: (:class:`Applied` s, :class:`Applied` s_w, A_w)."""
@@ -91,13 +95,13 @@ def _layer_refresh() -> Any:
 
     def refresh_and_apply(*args: Any, **kwargs: Any) -> tuple:
         factor, weight_factor, weight_scale = refresh_layer(*args, **kwargs)
-        gy = args[6]
+        gy = args[_GY]
         return factor, weight_factor, weight_scale, times(gy, factor), times(gy, weight_factor)
 
     compiled = _compiled(refresh_and_apply)
 
     def refresh(*args: Any, **kwargs: Any) -> tuple:
-        gy = args[6]
+        gy = args[_GY]
         factor, weight_factor, weight_scale, scaled, weight_scaled = compiled(gy, *args, **kwargs)
         return Applied(factor, scaled, gy), Applied(weight_factor, weight_scaled, gy), weight_scale
 
@@ -306,13 +310,11 @@ class ScaleState(ScaleSchedule):
                 or (self.iteration + 1) % self.options.update_per_n_iteration == 0):
             return None
         tables = {execution.plan.key: execution.table for execution in self._active}
-        layout = ([("array", name, self.arrays[name].numel()) for name in _POINT_ARRAYS]
-                  + [("cache", name, 1) for name in self.caches]
-                  + [("table", key, table.numel()) for key, table in tables.items()])
-        parts = ([self.arrays[name] for name in _POINT_ARRAYS] + [value.reshape(1) for value in self.caches.values()]
-                 + list(tables.values()))
-        self._mirror_layout = layout
-        return torch.cat([part.reshape(-1).to(self.device, torch.float32) for part in parts])
+        entries = ([("array", name, self.arrays[name]) for name in _POINT_ARRAYS]
+                   + [("cache", name, value) for name, value in self.caches.items()]
+                   + [("table", key, table) for key, table in tables.items()])
+        self._mirror_layout = [(kind, key, value.numel()) for kind, key, value in entries]
+        return torch.cat([value.reshape(-1).to(self.device, torch.float32) for _, _, value in entries])
 
     def receive_mirror(self, values: list[float]) -> None:
         """The values of :meth:`mirror_request`, read back: the steps until the next refresh apply these."""
