@@ -253,7 +253,9 @@ def wait_until_importing_torch(proc: subprocess.Popen) -> None:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_exits_128_plus_n_without_a_traceback(tmp_path, signum):
-    config = write_config(tmp_path / "c.yaml")
+    # Long enough that the run cannot finish first: on a loaded machine the signal may land a few seconds late
+    # (the 6-step default then exited 0), where the training loop's own handler must give the same exit.
+    config = write_config(tmp_path / "c.yaml", training={"iterations": 100000})
     proc = adaloss("train", "--config", str(config), "--quiet")
     wait_until_importing_torch(proc)
     proc.send_signal(signum)
