@@ -631,8 +631,12 @@ def test_the_fused_refresh_gives_the_factors_and_gradients_of_the_reference_path
                 model.zero_grad(set_to_none=True)
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = F.cross_entropy(model(x), y) * 1e-4
-                scaler.scale(loss).backward()
+                with torch.profiler.profile() as prof:
+                    scaler.scale(loss).backward()
                 scaler.update()
+        # Fused, the factors are applied inside the compiled kernels: no copy of a gradient for torch's kernel.
+        unscales = sum(e.name == "aten::_amp_foreach_non_finite_check_and_unscale_" for e in prof.events())
+        assert (unscales == 0) if fused else (unscales > 0)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs - 1  # less the model's capture
         if fused:  # one graph or more per kind of point: layers, the output (and branches)
             assert compiled >= (2 if kind == "mlp" else 3)

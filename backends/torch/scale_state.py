@@ -60,82 +60,6 @@ class HostMirror:
     tables: dict[int, np.ndarray]
 
 
-@dataclass
-class FusedRefresh:
-    """Compiled drop-in replacements of the core's refresh functions (``adaloss_cli.core.scale_steps``)."""
-    layer: Any
-    branch: Any
-    output: Any
-
-
-def _compiled(function: Any) -> Any:
-    """``function`` compiled whole (fullgraph, dynamic shapes), called through a wrapper that first makes the array
-    namespace of its gradients: creating one imports modules, which Dynamo cannot trace."""
-    from adaloss_cli.core.array_ops import ops_for
-
-    compiled = torch.compile(function, fullgraph=True, dynamic=True)
-
-    def fused(gradient: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        ops_for(gradient)
-        return compiled(*args, **kwargs)
-
-    return fused
-
-
-#: Where ``refresh_layer`` takes gy among its positional arguments: after the scale table and the five point arrays.
-_GY = 1 + len(_POINT_ARRAYS)
-
-
-def _layer_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_layer`, which also applies both factors to gy in
-    its own kernels: (:class:`Applied` s, :class:`Applied` s_w, A_w)."""
-    from adaloss_cli.core.scale_steps import refresh_layer
-
-    from .scale_ops import Applied, times
-
-    def refresh_and_apply(*args: Any, **kwargs: Any) -> tuple:
-        factor, weight_factor, weight_scale = refresh_layer(*args, **kwargs)
-        gy = args[_GY]
-        return factor, weight_factor, weight_scale, times(gy, factor), times(gy, weight_factor)
-
-    compiled = _compiled(refresh_and_apply)
-
-    def refresh(*args: Any, **kwargs: Any) -> tuple:
-        gy = args[_GY]
-        factor, weight_factor, weight_scale, scaled, weight_scaled = compiled(gy, *args, **kwargs)
-        return Applied(factor, scaled, gy), Applied(weight_factor, weight_scaled, gy), weight_scale
-
-    return refresh
-
-
-def _branch_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_branch`, which also applies each multiplier to
-    its gradient in its own kernels: one :class:`Applied` per gradient."""
-    from adaloss_cli.core.scale_steps import refresh_branch
-
-    from .scale_ops import Applied, times
-
-    def refresh_and_apply(grads: list, *args: Any, **kwargs: Any) -> tuple:
-        multipliers = refresh_branch(grads, *args, **kwargs)
-        return multipliers, [times(g, m) for g, m in zip(grads, multipliers)]
-
-    compiled = _compiled(refresh_and_apply)
-
-    def refresh(grads: list, *args: Any, **kwargs: Any) -> list:
-        multipliers, scaled = compiled(grads[0], grads, *args, **kwargs)
-        return [Applied(m, t, g) for m, t, g in zip(multipliers, scaled, grads)]
-
-    return refresh
-
-
-def _output_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_output`."""
-    from adaloss_cli.core.scale_steps import refresh_output
-
-    compiled = _compiled(refresh_output)
-    return lambda g, *args, **kwargs: compiled(g, g, *args, **kwargs)
-
-
 class ScaleState(ScaleSchedule):
     """Shared state of one model under adaptive scaling (``options`` None: measure-only, every factor 1).
 
@@ -149,8 +73,8 @@ class ScaleState(ScaleSchedule):
         self.note_origin_scale(self.loss_scale)
         #: Compute dtype for the pure (non-autocast) low-precision path: casts happen inside the graph.
         self.pure_dtype: torch.dtype | None = None
-        #: Compiled refresh functions (see :meth:`use_fused_refresh`), or None for the plain ones.
-        self.fused_refresh: FusedRefresh | None = None
+        #: Compiled refresh functions (a ``fused.FusedRefresh``, see :meth:`use_fused_refresh`), or None.
+        self.fused_refresh: Any = None
         self._fused_choice: bool | None = False
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
@@ -247,8 +171,12 @@ class ScaleState(ScaleSchedule):
         self._fused_choice = enabled
         if enabled is None:
             enabled = self.device.type == "cuda"
-        self.fused_refresh = FusedRefresh(layer=_layer_refresh(), branch=_branch_refresh(),
-                                          output=_output_refresh()) if enabled else None
+        if enabled:
+            from .fused import fused_refresh  # it imports the scale points, which import this module
+
+            self.fused_refresh = fused_refresh()
+        else:
+            self.fused_refresh = None
 
     # -- graphs and executions -------------------------------------------------------------------------------------
 
