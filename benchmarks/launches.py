@@ -7,11 +7,11 @@ tensors under ``torch.profiler``, and
 
 - ``ops``: every ATen operation dispatched in one step (forward, backward, scale logic, unscale, optimizer);
 - ``launches``: the leaf operations that do work (ATen operations with no ATen operation inside them, less views,
-  metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes of a 0-d operand
-  first (a Python number, a 0-d tensor) are left out of both counts: CUDA kernels take those as they are. For the
-  fused variant (``adaptive-1-fused``, the compiled refresh that CUDA runs by default), each call of a compiled
-  region adds the kernels Inductor generated for it (``torch._inductor.metrics``), averaged over its compiled
-  graphs;
+  metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes before it runs
+  (of an elementwise operation's operand of another dtype, of a 0-d operand such as a Python number) are left out
+  of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). For the fused variant
+  (``adaptive-1-fused``, the compiled refresh that CUDA runs by default), each call of a compiled region adds the
+  kernels Inductor generated for it (``torch._inductor.metrics``), averaged over its compiled graphs;
 - ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
   skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read.
 
