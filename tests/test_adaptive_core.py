@@ -13,7 +13,7 @@ from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, b
 from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, conv_fan, default_range,
                                              element_wise_extremes, linear_fan, norm_and_abs_max, ops_for,
                                              underflow_fraction, underflow_k)
-from adaloss_cli.core.array_ops import device_scalars
+from adaloss_cli.core.array_ops import device_scalars, scale_in_float32
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -377,13 +377,32 @@ def test_cuda_golden_stays_on_device(golden_layer):
     assert torch.equal(power_of_two_floor(powers * 1.5)[:-1], powers[:-1])
 
 
-@pytest.mark.cuda
-def test_cupy_golden(golden_layer):
+def _cupy():
+    """CuPy with a usable GPU, or the test is skipped."""
     cupy = pytest.importorskip("cupy")
     try:
-        gy, w = (cupy.asarray(a) for a in golden_layer)
+        cupy.zeros(1)
     except Exception as exc:  # cupy installed without a usable GPU
         pytest.skip(f"cupy cannot allocate: {exc}")
+    return cupy
+
+
+@pytest.mark.cuda
+def test_cupy_golden(golden_layer):
+    cupy = _cupy()
+    gy, w = (cupy.asarray(a) for a in golden_layer)
     s = unbound_factor(gy, w, 64, AdaptiveOptions.paper())
     assert isinstance(s, cupy.ndarray) and float(s) == pytest.approx(1.748732, rel=2e-5)
     assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveOptions.paper())) == 0.25
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("factor", [2.0 ** 16, 3 * 2.0 ** -25])
+def test_cupy_factors_beyond_fp16_range_are_applied_in_float32(factor):
+    """The shared core's product for NumPy/CuPy arrays (what the Chainer backend applies), with the factor on the
+    device as the core returns it: 2**16 is inf in fp16 and 3 * 2**-25 rounds to another number."""
+    cupy = _cupy()
+    host = np.array([2.0 ** -20, 2.0 ** -10, 1.0, -3.0], np.float16)
+    got = scale_in_float32(cupy.asarray(host), cupy.asarray(np.float32(factor)))
+    assert isinstance(got, cupy.ndarray) and got.dtype == np.float16
+    np.testing.assert_array_equal(cupy.asnumpy(got), (host.astype(np.float64) * factor).astype(np.float16))

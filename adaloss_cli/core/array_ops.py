@@ -23,8 +23,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["HOST", "Float32Ops", "HostScalars", "device_scalars", "host_view", "ops_for", "scalars_on_host",
-           "torch_cpu_on_host"]
+__all__ = ["HOST", "Float32Ops", "HostScalars", "device_scalars", "host_view", "ops_for", "scale_in_float32",
+           "scalars_on_host", "torch_cpu_on_host"]
 
 # The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
 # functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
@@ -310,12 +310,27 @@ class Float32Ops:
         return self.xp.pow(base, exponent)
 
 
-_OPS: dict[tuple[type, Any], Float32Ops] = {}
+_OPS: dict[tuple[type, Any, bool], Float32Ops] = {}
+
+
+def _device_key(x: Any) -> Any:
+    """A hashable name of x's device: torch devices hash, CuPy 14's ``Device`` does not (its id does)."""
+    device = getattr(x, "device", None)
+    return getattr(device, "id", device) if type(device).__module__.startswith("cupy") else device
+
+
+def scale_in_float32(g: Any, factor: Any) -> Any:
+    """g (a NumPy or CuPy array) times a factor from the core (a float32 0-d array or scalar), formed in float32 and
+    rounded once to g's dtype. Never the factor cast to g's dtype: in fp16, 2**16 is inf and 3 * 2**-25 rounds to
+    another number. float32 and float64 g multiply in their own dtype, where a power of two is exact."""
+    if g.dtype.itemsize >= 4:
+        return g * factor.astype(g.dtype) if hasattr(factor, "astype") else g * factor
+    return (g.astype(np.float32) * factor).astype(g.dtype)
 
 
 def ops_for(x: Any) -> Float32Ops:
     """The :class:`Float32Ops` of x's library and device, made once per (array type, device, scalar mode)."""
-    key = (type(x), getattr(x, "device", None), _TORCH_CPU_ON_HOST)
+    key = (type(x), _device_key(x), _TORCH_CPU_ON_HOST)
     ops = _OPS.get(key)
     if ops is None:
         ops = _OPS[key] = Float32Ops(x)

@@ -29,6 +29,7 @@ import numpy as np
 from adaloss_cli.backends.base import OUTPUT_RECORD
 from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS, AdaptiveOptions
 from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss_cli.core.array_ops import scale_in_float32
 from adaloss_cli.core.scale_steps import branch_scale_step, layer_scale_step, output_scale_step
 from adaloss_cli.core.scale_schedule import ScaleSchedule
 
@@ -55,13 +56,11 @@ def is_host_one(factor: Any) -> bool:
 
 
 def multiply(g: Any, factor: Any) -> Any:
-    """g times a factor from the core, formed in float32 and rounded once to g's dtype: never the factor cast to
-    g's dtype (2**16 is inf and 3 * 2**-25 a different number in fp16). A host factor of 1 returns g itself."""
+    """g times a factor from the core, in float32 (:func:`~adaloss_cli.core.array_ops.scale_in_float32`); a host
+    factor of 1, or None, returns g itself."""
     if factor is None or is_host_one(factor):
         return g
-    if g.dtype.itemsize >= 4:  # float32/float64: the product is exact in g's own dtype
-        return g * factor.astype(g.dtype) if hasattr(factor, "astype") else g * factor
-    return (g.astype(np.float32) * factor).astype(g.dtype)
+    return scale_in_float32(g, factor)
 
 
 class ScaleState(ScaleSchedule):
