@@ -140,6 +140,20 @@ def _chainer_builds_no_transformers(values: Values, collector: ProblemCollector)
                                    "classifiers only (use backend: torch with model.name gpt)")
 
 
+def _cuda_graphs_supported(values: Values, collector: ProblemCollector) -> None:
+    if values.get("training.cuda_graphs") is not True:
+        return
+    if values.get("backend") == "chainer":
+        collector.add("training.cuda_graphs", "got true with backend chainer; CUDA graphs are PyTorch only "
+                                              "(use backend: torch, or cuda_graphs: false)")
+    if values.get("device") == "cpu":
+        collector.add("training.cuda_graphs", "got true with device cpu; CUDA graphs need device cuda or auto")
+    accum = values.get("training.grad_accum_steps")
+    if accum is not None and accum > 1:
+        collector.add("training.cuda_graphs", f"got true with grad_accum_steps {show(accum)}; a captured step "
+                                              "is one micro-batch (set grad_accum_steps: 1, or cuda_graphs: false)")
+
+
 def _heads_divide_width(values: Values, collector: ProblemCollector) -> None:
     heads, width = values.get("model.heads"), values.get("model.width")
     if values.get("model.name") in TRANSFORMERS and heads and width and width % heads:
@@ -181,6 +195,7 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _mlp_depth_bounded,
     _model_matches_data,
     _chainer_builds_no_transformers,
+    _cuda_graphs_supported,
     _heads_divide_width,
     _patches_tile_the_image,
     _ordered("loss_scaling.dynamic.min_scale", "loss_scaling.dynamic.max_scale", strict=False),

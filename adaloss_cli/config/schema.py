@@ -144,6 +144,10 @@ class TrainingConfig:
                                              min=0.0, exclusive_min=True)
     eval_every_epochs: int = option(1, "Evaluate on the validation set every N epochs (and always at the end).",
                                     min=1)
+    cuda_graphs: bool = option(False, "PyTorch on CUDA: capture each training step (forward, backward, scale "
+                               "logic, unscale, optimizer step with the overflow skip on the device) in a CUDA "
+                               "graph and replay it, so the host launches one graph instead of thousands of kernels. "
+                               "The optimizer runs fused; one process, grad_accum_steps 1.")
     max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
                                             "loss is NaN or infinite.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")

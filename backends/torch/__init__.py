@@ -2,11 +2,12 @@
 
 Library use::
 
-    from adaloss_cli.backends.torch import LossScaler
+    from adaloss_cli.backends.torch import LossScaler, GraphedStep
 """
 
 from adaloss_cli.backends.torch.graph_transform import TransformError
+from adaloss_cli.backends.torch.graphs import GraphedStep
 from adaloss_cli.backends.torch.precision import MixedPrecisionForward
 from adaloss_cli.backends.torch.scaler import LossScaler
 
-__all__ = ["LossScaler", "MixedPrecisionForward", "TransformError"]
+__all__ = ["GraphedStep", "LossScaler", "MixedPrecisionForward", "TransformError"]

@@ -24,18 +24,41 @@ from adaloss_cli.config.schema import ExperimentConfig, OptimizerConfig
 from adaloss_cli.errors import UserError
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """SGD (momentum, Nesterov, weight decay) or Adam over float32 master parameters."""
+def build_optimizer(params, cfg: OptimizerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
+    """SGD (momentum, Nesterov, weight decay) or Adam over float32 master parameters; ``fused`` as torch.optim's
+    (a fused optimizer applies the overflow skip on the device, which a CUDA-graphed step needs)."""
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+                               weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            fused=fused)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate: written into a tensor learning rate (a CUDA-graphed step reads that tensor), or
+    set as a number."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of (..., classes) logits against integer targets of shape (...): one label per example for
     classification, the next token at every position for a language model (the mean is over all positions)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
+
+
+def _check_cuda_graphs(device: str, distributed: bool) -> None:
+    """training.cuda_graphs needs one process on a CUDA device: say which part is missing."""
+    if not device.startswith("cuda"):
+        raise UserError(f"training.cuda_graphs: true needs a CUDA device, but this run is on {device} "
+                        f"(torch {torch.__version__} sees {'a' if torch.cuda.is_available() else 'no'} CUDA "
+                        "device); set cuda_graphs: false or use device: cuda")
+    if distributed:
+        raise UserError("training.cuda_graphs: true runs in one process; under torchrun with several processes "
+                        "set cuda_graphs: false")
 
 
 class TorchBackend(Backend):
@@ -61,12 +84,30 @@ class TorchBackend(Backend):
             self.scaler.set_pure_dtype(self.forward.dtype)
         # What training runs: the same forward, through DistributedDataParallel when there are several processes.
         self.train_forward = data_parallel(self.model, self.forward)
-        self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer)
+        graphs = config.training.cuda_graphs
+        if graphs:
+            _check_cuda_graphs(device, distributed)
+        self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer, fused=graphs or None)
+        #: The captured training step (training.cuda_graphs), or None for eager steps.
+        self.graphed = self._graphed_step() if graphs else None
         if distributed:  # same initial weights everywhere (DDP broadcast rank 0's), own dropout masks per process
             rank = torch.distributed.get_rank()
             torch.manual_seed(int(np.random.SeedSequence([config.run.seed, rank]).generate_state(1)[0]))
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(device)
+
+    def _graphed_step(self) -> Any:
+        from adaloss_cli.backends.torch.graphs import GraphedStep
+
+        clip = self.config.training.grad_clip_norm
+
+        def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return cross_entropy(self.train_forward(self.model, x), y)
+
+        def clip_gradients() -> None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+
+        return GraphedStep(self.scaler, self.optimizer, loss_fn, before_step=clip_gradients if clip else None)
 
     @staticmethod
     def resolve_device(requested: str) -> str:
@@ -122,9 +163,10 @@ class TorchBackend(Backend):
 
     def train_step(self, micro_batches: Sequence[Batch], lr: float, record: bool = False) -> StepOutcome:
         """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.model.train()
+        if self.graphed is not None and not record and len(micro_batches) == 1 and not self.inject_nonfinite_loss:
+            return self._graphed_train_step(micro_batches[0])
         retries, overflowed = 0, False
         while True:
             scale = self.scaler.get_scale()
@@ -142,6 +184,14 @@ class TorchBackend(Backend):
             retries += 1
         return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
                            scale=scale, retries=retries, layers=layers)
+
+    def _graphed_train_step(self, batch: Batch) -> StepOutcome:
+        """One optimizer step replayed from its CUDA graph (retries included); recorded steps run eagerly."""
+        scale = self.scaler.get_scale()
+        loss = self.graphed(*self._to_device(batch))
+        graphed = self.graphed
+        return StepOutcome(loss=loss, overflow=graphed.last_overflowed, skipped=not self.scaler.stepped,
+                           scale=scale, retries=graphed.last_retries, layers=[])
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
@@ -174,6 +224,8 @@ class TorchBackend(Backend):
         """Restore :meth:`state_dict`."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.graphed is not None:  # the optimizer's state tensors are new: capture again
+            self.graphed.reset()
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.startswith("cuda"):

@@ -96,6 +96,11 @@ class ScaleState(ScaleSchedule):
         self.host_mirror: HostMirror | None = None
         self._pending_mirror: HostMirror | None = None
         self._mirror_layout: list[tuple[str, Any, int]] = []
+        #: Whole steps captured in CUDA graphs (``graphs.GraphedStep``): a refresh copies its tables into templates
+        #: that keep their memory (:meth:`copy_templates`), so that a captured reuse step reads the same addresses
+        #: on every replay; ``template_generation`` counts the times templates were dropped.
+        self.keep_templates = False
+        self.template_generation = 0
         #: Recorded steps: the output points' measured cast underflow, and every point's share of input-gradient
         #: elements that are zero in low precision but not in float32 for any reason (also forward mismatches).
         self.output_records: dict[str, Any] = {}
@@ -202,6 +207,11 @@ class ScaleState(ScaleSchedule):
         self._active.append(execution)
         self.backward_passes += 1
 
+    def forget_backward(self) -> None:
+        """Drop what this iteration's backward passes registered (a step captured in a CUDA graph and discarded)."""
+        self._active = []
+        self.backward_passes = 0
+
     # -- iteration control -----------------------------------------------------------------------------------------
 
     def set_loss_scale(self, scale: float) -> None:
@@ -214,7 +224,8 @@ class ScaleState(ScaleSchedule):
         steps until the next refresh reuse (and their host copies, when the scaler read them back)."""
         if not self.reuse:
             for execution in self._active:
-                execution.plan.template = execution.table
+                if not (self.keep_templates and execution.plan.template is not None):
+                    execution.plan.template = execution.table
             self.host_mirror = self._pending_mirror
         self._pending_mirror = None
         self._active = []
@@ -224,8 +235,22 @@ class ScaleState(ScaleSchedule):
         """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
         super().mark_stale()
         self.host_mirror = self._pending_mirror = None
+        self.template_generation = getattr(self, "template_generation", 0) + 1
         for plan in getattr(self, "graphs", {}).values():
             plan.template = None
+
+    def copy_templates(self) -> None:
+        """Inside a step that may be captured in a CUDA graph, after its backward: copy each table this iteration's
+        full backward passes wrote into its graph's template (allocated on the first call), so that the template
+        keeps one address for every replay (see ``keep_templates``). A no-op on steps that reuse the templates."""
+        for execution in self._active:
+            plan = execution.plan
+            if execution.reuse:
+                continue
+            if plan.template is None:
+                plan.template = execution.table.clone()
+            elif plan.template is not execution.table:
+                plan.template.copy_(execution.table)
 
     # -- host copies for the steps between refreshes -----------------------------------------------------------------
 

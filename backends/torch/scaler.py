@@ -253,6 +253,32 @@ class LossScaler:
         self.stepped = self.last_action is StepAction.STEP
         return optimizer.step(*args, **kwargs) if self.stepped else None
 
+    def unscale_on_device(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """:meth:`unscale_` without any host read, for a step captured in a CUDA graph (``graphs.GraphedStep``):
+        returns the overflow flag as a one-element float32 device tensor, for a fused optimizer to skip on."""
+        if not self.enabled:
+            device = next(p.device for g in optimizer.param_groups for p in g["params"])
+            return torch.zeros(1, device=device)
+        self._found_inf = None  # a new step: a capture attempt that was discarded may have left one
+        self.unscale_(optimizer)
+        return self._found_inf.reshape(1).float()
+
+    @property
+    def steps_on_overflow(self) -> bool:
+        """Whether an overflowing step is applied anyway (fixed scaling with ``skip_on_overflow: false``, or a
+        disabled scaler); every other policy skips or retries it."""
+        return not self.enabled or getattr(self.policy, "skip_on_overflow", True) is False
+
+    def finish_device_step(self, found_overflow: bool, loss: float | None = None) -> None:
+        """After a step whose optimizer applied the skip itself on the device (:meth:`unscale_on_device`): the
+        policy's decision from the flag read back, then :meth:`update`. The fused optimizer skipped exactly when
+        the flag was set; the policy agrees, as its decision on an overflow is never to step."""
+        self.last_loss = loss
+        self.found_overflow = bool(found_overflow)
+        self.last_action = self.policy.update(self.found_overflow, self._attempt) if self.enabled else StepAction.STEP
+        self.stepped = self.last_action is StepAction.STEP
+        self.update()
+
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         """[overflow flag, loss?] over the process group in one collective: the flags are 0 or positive, so their
         sum is non-zero exactly when their maximum is (any process overflowed); the loss becomes the mean."""

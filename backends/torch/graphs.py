@@ -1,0 +1,246 @@
+"""A whole training step in one CUDA graph: forward, scaled backward, the scale logic, unscale, overflow check and
+the optimizer step, with the skip decision applied on the device.
+
+Adaptive scaling never reads a device value during a step, so the whole step can be captured once and replayed: the
+host then launches one graph instead of thousands of kernels, which on a launch-bound model is faster than an eager
+``torch.autocast`` + ``GradScaler`` step. The skip is applied on the device by a fused optimizer (``fused=True``:
+SGD, Adam, AdamW), which takes the overflow flag and leaves parameters and optimizer state untouched when it is set,
+as it does under ``GradScaler``. The one host read per step, the overflow flag and the loss together, comes after
+the replay and drives the scaling policy exactly as in eager steps.
+
+Everything a captured step reads as a Python number (the loss scale, the adaptive headroom, which of the refresh and
+reuse paths the scale points take) is part of the key of its graph: a step whose key differs captures a new graph.
+Refresh and reuse steps of ``update_per_n_iteration`` > 1 get one graph each, sharing one memory pool; a new loss
+scale (dynamic scaling's growth or back-off) or headroom (adaptive's back-off after an overflow) captures again.
+
+Gradients live in tensors allocated once, outside every graph, and each captured step zeroes them first, so every
+graph and any eager step in between (the trainer's recorded steps) write the same ``.grad`` tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .scaler import LossScaler
+
+__all__ = ["GraphedStep", "graph_safe_optimizer"]
+
+#: Where captured steps run (tests that emulate capture on a CPU-only machine set "cpu").
+_DEVICE_TYPE = "cuda"
+#: Optimizers whose fused step takes the overflow flag on the device (``_step_supports_amp_scaling``).
+_FUSED_SUPPORTED = "SGD, Adam or AdamW built with fused=True"
+
+
+def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Check that ``optimizer`` can run inside a CUDA graph with the skip applied on the device, and make each
+    group's learning rate a 0-d float32 device tensor (a Python number would be frozen into the graph); returns
+    those tensors. Raises ValueError naming what to change."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        fused = optimizer.defaults.get("fused")
+        raise ValueError(f"CUDA graphs need an optimizer that applies the overflow skip on the device: "
+                         f"{_FUSED_SUPPORTED}; got {type(optimizer).__name__}"
+                         f"{' with fused=' + str(fused) if fused is not None else ''}")
+    rates = []
+    for group in optimizer.param_groups:
+        device = group["params"][0].device
+        if device.type != _DEVICE_TYPE:
+            raise ValueError(f"CUDA graphs need CUDA parameters, got parameters on {device}")
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+        rates.append(group["lr"])
+    return rates
+
+
+class GraphedStep:
+    """One training step of ``loss_fn``, captured in a CUDA graph on first use and replayed on every call.
+
+    Args:
+        scaler: the model's :class:`~.scaler.LossScaler` (any method; adaptive gains the most). Not data-parallel.
+        optimizer: a fused optimizer (``torch.optim.SGD/Adam/AdamW(..., fused=True)``) over CUDA parameters. Its
+            learning rates become 0-d device tensors, which the graph reads; a schedule may keep assigning numbers
+            to ``group["lr"]``: each call writes them into those tensors.
+        loss_fn: ``loss_fn(*batch) -> loss`` (a 0-d tensor): the forward and the loss, e.g. under
+            ``torch.autocast``. Called with the graph's own copies of the batch tensors.
+        before_step: optional ``before_step()`` run after unscaling, before the optimizer step, inside the graph
+            (gradient clipping: ``torch.nn.utils.clip_grad_norm_`` is capturable).
+        warmup_steps: eager steps before the first capture (torch.compile, cuDNN and the allocator settle in them);
+            they train like any step.
+
+    Calling it with a batch copies the batch into the graph's inputs, replays, reads the overflow flag and the loss
+    back together (the step's one host read) and updates the scaling policy; on a retry request it replays again.
+    It returns the loss as a Python float; the scaler's ``stepped``, ``found_overflow`` and ``last_loss`` say what
+    happened, as after an eager ``scaler.step``, and :attr:`last_retries` and :attr:`last_overflowed` the retries
+    of the call. A batch of another shape or dtype captures again.
+    """
+
+    def __init__(self, scaler: LossScaler, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                 *, before_step: Callable[[], Any] | None = None, warmup_steps: int = 3) -> None:
+        if scaler.process_group is not None:
+            raise ValueError("CUDA graphs are not supported with data-parallel training (process_group); use "
+                             "eager steps there")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
+        self._rates = graph_safe_optimizer(optimizer)
+        self.scaler, self.optimizer, self.loss_fn = scaler, optimizer, loss_fn
+        self.before_step = before_step
+        self.warmup_steps = int(warmup_steps)
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.grads: list[torch.Tensor] | None = None
+        #: Captured graphs by key (see :meth:`_key`), and how many captures were made in all.
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.captures = 0
+        self.last_retries = 0
+        self.last_overflowed = False
+        self._results: dict[tuple, torch.Tensor] = {}  # [overflow flag, loss], written by each captured step
+        self._pool: Any = None
+        self._inputs: list[torch.Tensor] = []
+        self._signature: tuple | None = None
+        self._eager_steps = 0
+        state = scaler.state
+        if state is not None:  # steps between refreshes apply the device factors: no host copies in a graph
+            state.mirror_between_refreshes = False
+            state.keep_templates = True
+
+    # -- the call ------------------------------------------------------------------------------------------------
+
+    def __call__(self, *batch: torch.Tensor) -> float:
+        scaler = self.scaler
+        self._attach_grads()
+        self._sync_rates()
+        self._load_inputs(batch)
+        self.last_retries, self.last_overflowed = 0, False
+        while True:
+            if self._eager_steps < self.warmup_steps:
+                self._eager_steps += 1
+                result = self._run_eager()
+            else:
+                graph, result = self._graph_for(self._key())
+                graph.replay()
+            found, loss = result.tolist()  # the step's one host read: overflow flag and loss
+            scaler.finish_device_step(bool(found), loss)
+            self.last_overflowed = self.last_overflowed or scaler.found_overflow
+            if not scaler.should_retry:
+                return loss
+            self.last_retries += 1
+
+    def reset(self) -> None:
+        """Drop every captured graph, so that the next call captures again: needed after the optimizer's state or
+        the model's parameters were replaced by other tensors (``load_state_dict`` of the optimizer)."""
+        self.graphs.clear()
+        self._results.clear()
+        self._pool = None
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _attach_grads(self) -> None:
+        """Gradient tensors allocated once, outside every graph, attached to the parameters (an eager step with
+        ``zero_grad(set_to_none=True)`` in between may have replaced them)."""
+        if self.grads is None:
+            self.grads = [torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, self.grads):
+            if p.grad is not g:
+                p.grad = g
+
+    def _sync_rates(self) -> None:
+        """A learning rate assigned as a number (or another tensor) since the last call goes into the tensor the
+        graphs read."""
+        for group, rate in zip(self.optimizer.param_groups, self._rates):
+            lr = group["lr"]
+            if lr is not rate:
+                rate.fill_(lr.item() if isinstance(lr, torch.Tensor) else float(lr))
+                group["lr"] = rate
+
+    def _load_inputs(self, batch: Sequence[torch.Tensor]) -> None:
+        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
+        if signature != self._signature:  # another shape: new static inputs, warm-up and capture
+            self.reset()
+            self._signature = signature
+            self._inputs = [t.detach().clone() for t in batch]
+            self._eager_steps = 0
+            return
+        for static, t in zip(self._inputs, batch):
+            static.copy_(t, non_blocking=True)
+
+    def _context(self) -> tuple:
+        """What a captured step reads as Python values, except the refresh schedule: the loss scale, the adaptive
+        headroom and the identity of the scale state's tensors."""
+        scaler = self.scaler
+        state = scaler.state
+        context: tuple = (scaler.get_scale(),)
+        if state is not None:
+            context += (state.headroom, state.pure_dtype, id(state.arrays), len(state.caches),
+                        state.template_generation)
+        return context
+
+    def _key(self) -> tuple:
+        """:meth:`_context` and which path the scale points take (refresh, bounds only, or reuse, each with or
+        without templates): every distinct key is its own graph."""
+        state = self.scaler.state
+        if state is None:
+            return self._context(), None
+        return self._context(), (state.refresh, state.reuse,
+                                 tuple(plan.template is None for plan in state.graphs.values()))
+
+    def _body(self) -> torch.Tensor:
+        """The step itself, without host reads: returns [overflow flag, loss] as one float32 device tensor."""
+        scaler, optimizer = self.scaler, self.optimizer
+        torch._foreach_zero_(self.grads)
+        loss = self.loss_fn(*self._inputs)
+        scaler.scale(loss).backward()
+        if scaler.state is not None:
+            scaler.state.copy_templates()
+        found = scaler.unscale_on_device(optimizer)
+        if self.before_step is not None:
+            self.before_step()
+        optimizer.grad_scale = None
+        optimizer.found_inf = None if scaler.steps_on_overflow else found
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        return torch.cat([found.reshape(1).float(), loss.detach().reshape(1).float()])
+
+    def _capture(self, body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """``body`` captured in a new CUDA graph (sharing the memory pool of this key's other graphs): the graph,
+        and the tensor ``body`` returned, which every replay writes."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self._pool):
+            result = body()
+        return graph, result
+
+    def _run_eager(self) -> torch.Tensor:
+        """A warm-up step, eager, on a side stream (where CUDA graph capture wants its warm-up)."""
+        if not self.params[0].is_cuda:  # (tests emulate the capture on CPU)
+            return self._body()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        return result
+
+    def _graph_for(self, key: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of ``key`` and the tensor its replay writes [overflow flag, loss] to, captured if needed."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph, self._results[key]
+        if any(old[0] != key[0] for old in self.graphs):  # an old scale or headroom: those graphs never run again
+            self.reset()
+        for _ in range(2):
+            graph, result = self._capture(self._body)
+            if self._context() == key[0]:
+                break
+            # The capture created scale-state tensors (a cache seen for the first time): they were filled inside
+            # the graph, so every replay would refill them. Capture again now that they exist outside it.
+            if self.scaler.state is not None:
+                self.scaler.state.forget_backward()
+            key = self._key()
+        self._pool = graph.pool() if hasattr(graph, "pool") else None
+        self.graphs[key] = graph
+        self._results[key] = result
+        self.captures += 1
+        return graph, result

@@ -1,0 +1,210 @@
+"""A whole training step in a CUDA graph (``GraphedStep``, ``training.cuda_graphs``).
+
+On a CPU-only machine the capture is emulated (a replay runs the step's Python again): that checks what the step
+does -- the same parameters as eager steps, the overflow skip applied by the fused optimizer from the device flag,
+the policy's decision from the one read back, learning rates reaching the graph -- but not CUDA graph capture itself,
+which the tests marked ``cuda`` run on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from adaloss_cli.backends.torch import graphs  # noqa: E402
+from adaloss_cli.backends.torch.graphs import GraphedStep, graph_safe_optimizer  # noqa: E402
+from adaloss_cli.backends.torch.models import CifarResNet  # noqa: E402
+from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss_cli.core.array_ops import device_scalars  # noqa: E402
+
+from conftest import write_config  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _ReplayedStep:
+    """A CPU stand-in for a captured graph: each replay runs the step again and writes its result where the
+    capture's result lives."""
+
+    def __init__(self, body):
+        self.body, self.result = body, torch.zeros(2)
+
+    def replay(self) -> None:
+        self.result.copy_(self.body())
+
+
+@pytest.fixture
+def emulated_capture(monkeypatch):
+    """GraphedStep on CPU tensors, the device path of the scale logic (what CUDA runs), capture emulated."""
+    monkeypatch.setattr(graphs, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(GraphedStep, "_capture", lambda self, body: (lambda g: (g, g.result))(_ReplayedStep(body)))
+    with device_scalars():
+        yield
+
+
+def _setup(method: str, device: str = "cpu", **options):
+    torch.manual_seed(0)
+    model = CifarResNet(8, 3, 10, width=4).to(device)
+    scaler = LossScaler(model, method, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    return model, scaler, optimizer
+
+
+def _batches(device: str = "cpu", n: int = 6):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 8, 8, generator=gen).to(device), torch.randint(0, 10, (8,), generator=gen).to(device))
+            for _ in range(n)]
+
+
+def _loss_fn(model, device_type: str):
+    def loss_fn(x, y):
+        with torch.autocast(device_type, dtype=torch.float16):
+            return F.cross_entropy(model(x), y)
+    return loss_fn
+
+
+def _eager_step(model, scaler, optimizer, x, y, device_type: str) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = _loss_fn(model, device_type)(x, y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer, loss=loss)
+    scaler.update()
+    return scaler.last_loss
+
+
+def _compare_with_eager(method: str, device: str, **options) -> GraphedStep:
+    """Six graphed steps and six eager steps from the same weights: identical losses and parameters."""
+    batches = _batches(device)
+    eager = _setup(method, device, **options)
+    graphed_model, scaler, optimizer = _setup(method, device, **options)
+    step = GraphedStep(scaler, optimizer, _loss_fn(graphed_model, device), warmup_steps=2)
+    eager_losses = [_eager_step(*eager, x, y, device) for x, y in batches]
+    graphed_losses = [step(x, y) for x, y in batches]
+    assert graphed_losses == pytest.approx(eager_losses, rel=1e-6)
+    for (name, p), q in zip(graphed_model.named_parameters(), eager[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0, msg=name)
+    assert step.captures >= 1 and scaler.stepped
+    return step
+
+
+@pytest.mark.parametrize("method, options", [("adaptive", {}), ("adaptive", {"update_per_n_iteration": 3}),
+                                             ("dynamic", {})], ids=["adaptive-1", "adaptive-3", "dynamic"])
+def test_graphed_steps_train_exactly_as_eager_steps(emulated_capture, method, options):
+    step = _compare_with_eager(method, "cpu", **options)
+    if options.get("update_per_n_iteration", 1) > 1:  # refresh and reuse steps: one graph each
+        assert len(step.graphs) == 2
+
+
+def test_an_overflowing_step_leaves_parameters_and_optimizer_state_untouched(emulated_capture):
+    model, scaler, optimizer = _setup("adaptive")
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
+    (x, y), = _batches(n=1)
+    step(x, y)
+    step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    x_bad = x.clone()
+    x_bad[0, 0, 0, 0] = float("inf")
+    step(x_bad, y)
+    assert scaler.found_overflow and not scaler.stepped and step.last_overflowed
+    assert scaler.policy.headroom < 1.0 and scaler.policy.skipped_steps == 1
+    for p, b, m in zip(model.parameters(), before, momentum):
+        assert torch.equal(p, b) and torch.equal(optimizer.state[p]["momentum_buffer"], m)
+    captures = step.captures
+    step(x, y)  # the backed-off headroom is a new key: captured again, and it trains
+    assert scaler.stepped and step.captures == captures + 1
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_learning_rate_set_as_a_number_reaches_the_graph(emulated_capture):
+    model, scaler, optimizer = _setup("adaptive")
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
+    rate = optimizer.param_groups[0]["lr"]
+    assert isinstance(rate, torch.Tensor) and float(rate) == pytest.approx(0.05)
+    (x, y), = _batches(n=1)
+    step(x, y)
+    step(x, y)
+    optimizer.param_groups[0]["lr"] = 0.0  # as an LR scheduler or a user would
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    step(x, y)
+    assert optimizer.param_groups[0]["lr"] is rate and float(rate) == 0.0
+    for p, b, m in zip(model.parameters(), before, momentum):
+        assert torch.equal(p, b) and not torch.equal(optimizer.state[p]["momentum_buffer"], m)
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"fused=True.*got SGD"):
+        graph_safe_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"device": "cpu"}, "CUDA graphs need device cuda or auto"),
+    ({"backend": "chainer"}, "CUDA graphs are PyTorch only"),
+    ({"training": {"grad_accum_steps": 2}}, "a captured step is one micro-batch"),
+])
+def test_cuda_graphs_in_a_config_that_cannot_use_them_is_refused(invoke, tmp_path, overrides, message):
+    training = {"cuda_graphs": True, **overrides.pop("training", {})}
+    config = write_config(tmp_path / "c.yaml", training=training, **overrides)
+    result = invoke("validate", config)
+    assert result.exit_code == 2
+    assert "training.cuda_graphs" in result.stderr and message in result.stderr
+
+
+@pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
+def test_cuda_graphs_on_a_machine_without_cuda_exits_2(invoke, tmp_path):
+    config = write_config(tmp_path / "c.yaml", training={"cuda_graphs": True})
+    result = invoke("train", "--config", config, "--out", tmp_path / "run", "--quiet")
+    assert result.exit_code == 2
+    assert "training.cuda_graphs: true needs a CUDA device" in result.stderr
+    assert "Traceback" not in result.output
+
+
+# --- on a GPU -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("options", [{}, {"update_per_n_iteration": 3}], ids=["adaptive-1", "adaptive-3"])
+def test_cuda_graphed_adaptive_steps_train_exactly_as_eager_steps(options):
+    step = _compare_with_eager("adaptive", "cuda", **options)
+    assert all(isinstance(g, torch.cuda.CUDAGraph) for g in step.graphs.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graphed_overflow_is_skipped_on_the_device():
+    model, scaler, optimizer = _setup("adaptive", "cuda")
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cuda"), warmup_steps=1)
+    (x, y), = _batches("cuda", n=1)
+    step(x, y)
+    step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    x_bad = x.clone()
+    x_bad[0, 0, 0, 0] = float("inf")
+    step(x_bad, y)
+    assert scaler.found_overflow and not scaler.stepped
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    step(x, y)  # the backed-off headroom: captured again, and it trains
+    assert scaler.stepped and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graphs_train_from_the_command_line(invoke, tmp_path):
+    runs = {}
+    for graphs_on in (False, True):
+        config = write_config(tmp_path / f"c{graphs_on}.yaml", precision={"dtype": "float16"},
+                              loss_scaling={"method": "adaptive"},
+                              training={"cuda_graphs": graphs_on, "iterations": 12})
+        out = tmp_path / f"run{graphs_on}"
+        result = invoke("train", "--config", config, "--out", out, "--quiet", "--device", "cuda")
+        assert result.exit_code == 0, result.output
+        runs[graphs_on] = [line for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(runs[True]) == len(runs[False]) == 12
