@@ -11,8 +11,17 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100")
+VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100",
+            "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph")
+#: The variants that capture the whole step in a CUDA graph (``GraphedStep``, fused SGD): CUDA only.
+GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 REFERENCE = "gradscaler"
+
+
+def refresh_period(variant: str) -> int | None:
+    """N of an ``adaptive-N`` or ``adaptive-N-graph`` variant (None for the others)."""
+    parts = variant.split("-")
+    return int(parts[1]) if parts[0] == "adaptive" else None
 NUM_CLASSES = 10
 VOCABULARY = 256  # gpt: byte tokens, as data.name text
 DATA_BATCHES = 4  # distinct synthetic batches, cycled; every variant sees the same one at the same step
@@ -72,27 +81,32 @@ def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace)
 class Runner:
     """One variant's model copy, optimizer and scaler, and its training step."""
 
-    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01) -> None:
+    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01,
+                 fused: bool = False) -> None:
         import torch
         from adaloss_cli.backends.torch.precision import MixedPrecisionForward
         from adaloss_cli.backends.torch.scaler import LossScaler
 
         self.variant = variant
+        self.model = copy.deepcopy(initial)  # transformed in place by adaptive
         if variant == "gradscaler":
-            self.model = copy.deepcopy(initial)
             self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
-        elif variant == "dynamic":
-            self.model = copy.deepcopy(initial)
+        elif variant.startswith("dynamic"):
             self.scaler = LossScaler(self.model, "dynamic")
         elif variant.startswith("adaptive-"):
-            self.model = copy.deepcopy(initial)  # transformed in place
-            self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=int(variant.split("-", 1)[1]))
+            self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=refresh_period(variant),
+                                     fused=fused)
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()
         self.forward = MixedPrecisionForward(self.model, dtype)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+        graphed = variant in GRAPH_VARIANTS
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, fused=graphed or None)
         self._cross_entropy = torch.nn.functional.cross_entropy
+        self.graphed = None
+        if graphed:
+            from adaloss_cli.backends.torch.graphs import GraphedStep
+            self.graphed = GraphedStep(self.scaler, self.optimizer, self.loss)
 
     def loss(self, x: Any, y: Any) -> Any:
         """Cross-entropy of the model's output: per image, or per token for a language model's (B, T, V) logits."""
@@ -100,7 +114,11 @@ class Runner:
         return self._cross_entropy(logits.flatten(0, -2), y.flatten())
 
     def step(self, x: Any, y: Any) -> None:
-        """One training step as the torch backend does it (without reading the loss back)."""
+        """One training step as the torch backend does it (without reading the loss back, except a graphed step,
+        whose one read brings the loss along with the overflow flag)."""
+        if self.graphed is not None:
+            self.graphed(x, y)
+            return
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(self.loss(x, y)).backward()
         self.scaler.unscale_(self.optimizer)

@@ -61,13 +61,10 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone():
     assert all(torch.equal(snapshot["caches"][name], value) for name, value in caches.items())
 
 
-def test_the_default_fused_refresh_is_decided_again_for_the_device_the_state_moves_to():
-    state = LossScaler(MLP(16, [8], 3), "adaptive").state  # built on the CPU: the plain refresh on host scalars
-    assert state.fused_refresh is None
-    state.device = torch.device("cuda")  # stands in for a CUDA device (nothing is allocated on it)
-    state.use_fused_refresh(None)
-    assert state.fused_refresh is not None
-    state.to("meta")  # a move decides the default again
+def test_the_fused_refresh_is_off_unless_asked_for_and_stays_with_a_moved_state():
+    state = LossScaler(MLP(16, [8], 3), "adaptive").state
+    assert state.fused_refresh is None  # the plain refresh, on every device (see ScaleState.use_fused_refresh)
+    state.to("meta")
     assert state.fused_refresh is None
     chosen = LossScaler(MLP(16, [8], 3), "adaptive", fused=True).state
     chosen.to("meta")

@@ -313,12 +313,6 @@ class Float32Ops:
 _OPS: dict[tuple[type, Any, bool], Float32Ops] = {}
 
 
-def _device_key(x: Any) -> Any:
-    """A hashable name of x's device: torch devices hash, CuPy 14's ``Device`` does not (its id does)."""
-    device = getattr(x, "device", None)
-    return getattr(device, "id", device) if type(device).__module__.startswith("cupy") else device
-
-
 def scale_in_float32(g: Any, factor: Any) -> Any:
     """g (a NumPy or CuPy array) times a factor from the core (a float32 0-d array or scalar), formed in float32 and
     rounded once to g's dtype. Never the factor cast to g's dtype: in fp16, 2**16 is inf and 3 * 2**-25 rounds to
@@ -330,8 +324,13 @@ def scale_in_float32(g: Any, factor: Any) -> Any:
 
 def ops_for(x: Any) -> Float32Ops:
     """The :class:`Float32Ops` of x's library and device, made once per (array type, device, scalar mode)."""
-    key = (type(x), _device_key(x), _TORCH_CPU_ON_HOST)
-    ops = _OPS.get(key)
+    device = getattr(x, "device", None)
+    try:
+        key = (type(x), device, _TORCH_CPU_ON_HOST)
+        ops = _OPS.get(key)
+    except TypeError:  # CuPy 14's Device is unhashable; its id is. (torch.compile traces this function: keep the
+        key = (type(x), device.id, _TORCH_CPU_ON_HOST)  # path of torch tensors free of anything Dynamo may refuse.)
+        ops = _OPS.get(key)
     if ops is None:
         ops = _OPS[key] = Float32Ops(x)
     return ops

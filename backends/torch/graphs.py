@@ -51,7 +51,29 @@ def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
         if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
         rates.append(group["lr"])
+    _start_momentum_at_zero(optimizer)
     return rates
+
+
+def _start_momentum_at_zero(optimizer: torch.optim.Optimizer) -> None:
+    """Give fused SGD momentum buffers of zeros before its first step.
+
+    Fused SGD allocates them with ``torch.empty_like`` on its first step and fills them there; when that step is
+    skipped on an overflow (a loss scale of 2**16 on a fresh ResNet-50), they keep whatever the memory held, and on
+    an H200 every later step overflowed (NaN momentum). With dampening 0 a zero buffer gives exactly the first
+    step's ``buf = grad``; with another dampening it would not, so that is refused."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        if group["dampening"] != 0:
+            raise ValueError(f"CUDA graphs with fused SGD need dampening 0, got {group['dampening']} (fused SGD "
+                             "leaves its momentum unset when its first step is skipped)")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class GraphedStep:

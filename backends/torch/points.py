@@ -148,7 +148,7 @@ class ScalePoint(nn.Module):
             weight = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
             if needs_w and options.exact_bounds:
                 x_input = x.detach()  # a saved input may require grad: one compiled refresh serves both
-        fused = self.state.fused_refresh
+        fused = self.state.refresh_functions()
         return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
                                 self.axes, x_input, self.x_axis, fused.layer if fused is not None else None)
 

@@ -112,7 +112,7 @@ def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def _fused(state: ScaleState, kind: str) -> Any:
     """The state's compiled refresh of a kind of point, or None for the plain one."""
-    fused = state.fused_refresh
+    fused = state.refresh_functions()
     return None if fused is None else getattr(fused, kind)
 
 

@@ -75,7 +75,6 @@ class ScaleState(ScaleSchedule):
         self.pure_dtype: torch.dtype | None = None
         #: Compiled refresh functions (a ``fused.FusedRefresh``, see :meth:`use_fused_refresh`), or None.
         self.fused_refresh: Any = None
-        self._fused_choice: bool | None = False
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
         #: Each point's operation kind and fan, for the printed table.
@@ -145,8 +144,6 @@ class ScaleState(ScaleSchedule):
         for plan in self.graphs.values():
             if plan.template is not None:
                 plan.template = plan.template.to(device)
-        if self._fused_choice is None:  # the default: fused on CUDA, so decided again for the new device
-            self.use_fused_refresh(None)
 
     def cache(self, name: str) -> torch.Tensor:
         """The 0-d float32 cache of an output, branch or join point (created at 1)."""
@@ -167,21 +164,29 @@ class ScaleState(ScaleSchedule):
         """:meth:`cache` as the factor math uses it."""
         return host_view(self.cache(name))
 
-    def use_fused_refresh(self, enabled: bool | None) -> None:
+    def use_fused_refresh(self, enabled: bool) -> None:
         """Run the refresh of each scale, branch, join and output point (statistics, factor math, and the reads and
         writes of the state) as a compiled function (torch.compile, Inductor): a few fused kernels instead of
-        dozens of 0-d operations. Only the device path can use it (host scalars on CPU are cheaper still); the
-        first refresh of each kind of point compiles. None: on CUDA only, decided again when the state moves
-        (:meth:`to`)."""
-        self._fused_choice = enabled
-        if enabled is None:
-            enabled = self.device.type == "cuda"
+        dozens of 0-d operations, on the device path only (host scalars on CPU are cheaper still); the first
+        refresh of each kind of point compiles.
+
+        Off by default. Its kernels are compiled for dynamic shapes, and Inductor tunes a reduction to the sizes it
+        first compiles for: on an H200, a refresh compiled first on small tensors (a test's, or a small first batch;
+        the compiled code is also cached across processes) made ResNet-50's adaptive step 30 times slower. Compiled
+        on the model's own sizes it was no faster than the plain device path in eager steps (2.9x against 2.7x a
+        GradScaler step on ResNet-50), though it launches fewer kernels."""
         if enabled:
             from .fused import fused_refresh  # it imports the scale points, which import this module
 
             self.fused_refresh = fused_refresh()
         else:
             self.fused_refresh = None
+
+    def refresh_functions(self) -> Any:
+        """The compiled refresh functions when they are on and the factor math takes the device path, else None
+        (host scalars, the CPU path, are cheaper than any compiled call, and Dynamo cannot trace them)."""
+        fused = self.fused_refresh
+        return None if fused is None or scalars_on_host(self.arrays["factor"]) else fused
 
     # -- graphs and executions -------------------------------------------------------------------------------------
 

@@ -73,8 +73,8 @@ class LossScaler:
         enabled: False makes every call a pass-through (``scale`` returns the loss, ``step`` calls
             ``optimizer.step()``), as ``GradScaler(enabled=False)``: call sites need no ``if``.
         fused: adaptive only: run each layer's refresh (statistics and factor math) as one torch.compile'd
-            function, a few fused kernels instead of dozens of tiny ones. None (default): on CUDA only; on CPU the
-            factor math runs on host scalars, which is cheaper still.
+            function, a few fused kernels instead of dozens of tiny ones (see ``ScaleState.use_fused_refresh``
+            for why it is off by default). On CPU the factor math runs on host scalars either way.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -83,7 +83,7 @@ class LossScaler:
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 enabled: bool = True, process_group: Any = None, fused: bool | None = None,
+                 enabled: bool = True, process_group: Any = None, fused: bool = False,
                  **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
