@@ -159,6 +159,20 @@ def test_a_learning_rate_set_as_a_number_reaches_the_graph(emulated_capture):
         assert torch.equal(p, b) and not torch.equal(optimizer.state[p]["momentum_buffer"], m)
 
 
+def test_a_second_batch_shape_gets_graphs_of_its_own_and_the_first_keeps_its_own(emulated_capture):
+    model, scaler, optimizer = _setup("adaptive")
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
+    (x, y), = _batches(n=1)
+    step(x, y)
+    step(x, y)  # warm-up, then the capture of the full batch
+    assert step.captures == 1
+    step(x[:5], y[:5])  # a smaller last batch: its own warm-up
+    step(x[:5], y[:5])  # and its own capture
+    assert step.captures == 2
+    step(x, y)  # the full batch replays its graph
+    assert step.captures == 2 and scaler.stepped
+
+
 def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"fused=True.*got SGD"):

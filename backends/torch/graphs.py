@@ -19,6 +19,7 @@ graph and any eager step in between (the trainer's recorded steps) write the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -76,6 +77,17 @@ def _start_momentum_at_zero(optimizer: torch.optim.Optimizer) -> None:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+@dataclass
+class _Captures:
+    """What one batch signature (shapes, dtypes, devices) has: the graph's input tensors, its graphs by key with
+    the tensor each replay writes [overflow flag, loss] to, their shared memory pool, and its eager steps so far."""
+    inputs: list
+    graphs: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)
+    pool: Any = None
+    eager_steps: int = 0
+
+
 class GraphedStep:
     """One training step of ``loss_fn``, captured in a CUDA graph on first use and replayed on every call.
 
@@ -95,7 +107,8 @@ class GraphedStep:
     back together (the step's one host read) and updates the scaling policy; on a retry request it replays again.
     It returns the loss as a Python float; the scaler's ``stepped``, ``found_overflow`` and ``last_loss`` say what
     happened, as after an eager ``scaler.step``, and :attr:`last_retries` and :attr:`last_overflowed` the retries
-    of the call. A batch of another shape or dtype captures again.
+    of the call. A batch of another shape or dtype gets warm-up steps and graphs of its own (those of the shapes
+    seen before are kept: a smaller last batch of an epoch does not make the full batches capture again).
     """
 
     def __init__(self, scaler: LossScaler, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
@@ -111,16 +124,12 @@ class GraphedStep:
         self.warmup_steps = int(warmup_steps)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.grads: list[torch.Tensor] | None = None
-        #: Captured graphs by key (see :meth:`_key`), and how many captures were made in all.
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        #: How many captures were made in all.
         self.captures = 0
         self.last_retries = 0
         self.last_overflowed = False
-        self._results: dict[tuple, torch.Tensor] = {}  # [overflow flag, loss], written by each captured step
-        self._pool: Any = None
-        self._inputs: list[torch.Tensor] = []
-        self._signature: tuple | None = None
-        self._eager_steps = 0
+        self._shapes: dict[tuple, _Captures] = {}
+        self._current: _Captures | None = None
         state = scaler.state
         if state is not None:  # steps between refreshes apply the device factors: no host copies in a graph
             state.mirror_between_refreshes = False
@@ -134,9 +143,10 @@ class GraphedStep:
         self._sync_rates()
         self._load_inputs(batch)
         self.last_retries, self.last_overflowed = 0, False
+        captures = self._current
         while True:
-            if self._eager_steps < self.warmup_steps:
-                self._eager_steps += 1
+            if captures.eager_steps < self.warmup_steps:
+                captures.eager_steps += 1
                 result = self._run_eager()
             else:
                 graph, result = self._graph_for(self._key())
@@ -148,12 +158,18 @@ class GraphedStep:
                 return loss
             self.last_retries += 1
 
+    @property
+    def graphs(self) -> dict[tuple, Any]:
+        """The captured graphs of the batch shape of the last call, by key (see :meth:`_key`)."""
+        return {} if self._current is None else self._current.graphs
+
     def reset(self) -> None:
         """Drop every captured graph, so that the next call captures again: needed after the optimizer's state or
         the model's parameters were replaced by other tensors (``load_state_dict`` of the optimizer)."""
-        self.graphs.clear()
-        self._results.clear()
-        self._pool = None
+        for captures in self._shapes.values():
+            captures.graphs.clear()
+            captures.results.clear()
+            captures.pool = None
 
     # -- internals -------------------------------------------------------------------------------------------------
 
@@ -176,15 +192,15 @@ class GraphedStep:
                 group["lr"] = rate
 
     def _load_inputs(self, batch: Sequence[torch.Tensor]) -> None:
+        """Copy ``batch`` into the graph inputs of its signature (made on its first call)."""
         signature = tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
-        if signature != self._signature:  # another shape: new static inputs, warm-up and capture
-            self.reset()
-            self._signature = signature
-            self._inputs = [t.detach().clone() for t in batch]
-            self._eager_steps = 0
-            return
-        for static, t in zip(self._inputs, batch):
-            static.copy_(t, non_blocking=True)
+        captures = self._shapes.get(signature)
+        if captures is None:
+            captures = self._shapes[signature] = _Captures([t.detach().clone() for t in batch])
+        else:
+            for static, t in zip(captures.inputs, batch):
+                static.copy_(t, non_blocking=True)
+        self._current = captures
 
     def _context(self) -> tuple:
         """What a captured step reads as Python values, except the refresh schedule: the loss scale, the adaptive
@@ -198,19 +214,19 @@ class GraphedStep:
         return context
 
     def _key(self) -> tuple:
-        """:meth:`_context` and which path the scale points take (refresh, bounds only, or reuse, each with or
-        without templates): every distinct key is its own graph."""
+        """:meth:`_context` and which path the scale points take (refresh, bounds only, or reuse): every distinct
+        key is its own graph. (A refresh captured before its graph's template existed creates the template inside
+        the capture; the tensor outlives the capture, and every replay writes it.)"""
         state = self.scaler.state
         if state is None:
             return self._context(), None
-        return self._context(), (state.refresh, state.reuse,
-                                 tuple(plan.template is None for plan in state.graphs.values()))
+        return self._context(), (state.refresh, state.reuse)
 
     def _body(self) -> torch.Tensor:
         """The step itself, without host reads: returns [overflow flag, loss] as one float32 device tensor."""
         scaler, optimizer = self.scaler, self.optimizer
         torch._foreach_zero_(self.grads)
-        loss = self.loss_fn(*self._inputs)
+        loss = self.loss_fn(*self._current.inputs)
         scaler.scale(loss).backward()
         if scaler.state is not None:
             scaler.state.copy_templates()
@@ -230,7 +246,7 @@ class GraphedStep:
         and the tensor ``body`` returned, which every replay writes."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._current.pool):
             result = body()
         return graph, result
 
@@ -245,13 +261,17 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(stream)
         return result
 
-    def _graph_for(self, key: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph of ``key`` and the tensor its replay writes [overflow flag, loss] to, captured if needed."""
-        graph = self.graphs.get(key)
+    def _graph_for(self, key: tuple) -> tuple[Any, torch.Tensor]:
+        """The graph of ``key`` for the current batch shape and the tensor its replay writes [overflow flag, loss]
+        to, captured if needed."""
+        captures = self._current
+        graph = captures.graphs.get(key)
         if graph is not None:
-            return graph, self._results[key]
-        if any(old[0] != key[0] for old in self.graphs):  # an old scale or headroom: those graphs never run again
-            self.reset()
+            return graph, captures.results[key]
+        if any(old[0] != key[0] for old in captures.graphs):  # an old scale or headroom: never runs again
+            captures.graphs.clear()
+            captures.results.clear()
+            captures.pool = None
         for _ in range(2):
             graph, result = self._capture(self._body)
             if self._context() == key[0]:
@@ -261,8 +281,8 @@ class GraphedStep:
             if self.scaler.state is not None:
                 self.scaler.state.forget_backward()
             key = self._key()
-        self._pool = graph.pool() if hasattr(graph, "pool") else None
-        self.graphs[key] = graph
-        self._results[key] = result
+        captures.pool = graph.pool() if hasattr(graph, "pool") else None
+        captures.graphs[key] = graph
+        captures.results[key] = result
         self.captures += 1
         return graph, result
