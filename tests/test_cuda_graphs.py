@@ -103,6 +103,26 @@ def test_graphed_steps_train_exactly_as_eager_steps(emulated_capture, method, op
         assert len(step.graphs) == 2
 
 
+def test_an_eager_step_in_between_needs_no_new_capture(emulated_capture):
+    """The trainer's recorded steps run eagerly and mark the scale state stale; the graphs stay valid (their
+    templates keep their memory and are rewritten by the next full backward), so nothing is captured again."""
+    batches = _batches()
+    eager = _setup("adaptive", update_per_n_iteration=3)
+    model, scaler, optimizer = _setup("adaptive", update_per_n_iteration=3)
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
+    for i, (x, y) in enumerate(batches):
+        _eager_step(*eager, x, y, "cpu")
+        if i == 3:  # what a recorded step does: the state marked stale, then an eager step
+            captures = step.captures
+            scaler.state.mark_stale()
+            _eager_step(model, scaler, optimizer, x, y, "cpu")
+        else:
+            step(x, y)
+    assert step.captures == captures
+    for p, q in zip(model.parameters(), eager[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
+
+
 def test_an_overflowing_step_leaves_parameters_and_optimizer_state_untouched(emulated_capture):
     model, scaler, optimizer = _setup("adaptive")
     step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)

@@ -187,8 +187,8 @@ class GraphedStep:
         graphs read."""
         for group, rate in zip(self.optimizer.param_groups, self._rates):
             lr = group["lr"]
-            if lr is not rate:
-                rate.fill_(lr.item() if isinstance(lr, torch.Tensor) else float(lr))
+            if lr is not rate:  # a copy or a fill on the device: no host read
+                rate.copy_(lr) if isinstance(lr, torch.Tensor) else rate.fill_(float(lr))
                 group["lr"] = rate
 
     def _load_inputs(self, batch: Sequence[torch.Tensor]) -> None:
@@ -204,13 +204,12 @@ class GraphedStep:
 
     def _context(self) -> tuple:
         """What a captured step reads as Python values, except the refresh schedule: the loss scale, the adaptive
-        headroom and the identity of the scale state's tensors."""
+        headroom, and which tensors of the scale state exist (new ones are read by a new capture only)."""
         scaler = self.scaler
         state = scaler.state
         context: tuple = (scaler.get_scale(),)
         if state is not None:
-            context += (state.headroom, state.pure_dtype, id(state.arrays), len(state.caches),
-                        state.template_generation)
+            context += (state.headroom, state.pure_dtype, state.layout_generation, len(state.caches))
         return context
 
     def _key(self) -> tuple:

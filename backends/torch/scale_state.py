@@ -80,6 +80,9 @@ class ScaleState(ScaleSchedule):
         #: Each point's operation kind and fan, for the printed table.
         self.kinds: dict[str, tuple[str, int]] = {}
         self.arrays: dict[str, torch.Tensor] = {}
+        #: Counts the times the per-point arrays or the caches were replaced by new tensors (a CUDA graph captured
+        #: before reads the old ones).
+        self.layout_generation = 0
         self._views: dict[str, Any] = {}
         self._allocate(0)
         #: 0-d factors of output points and common scales of branch/join points, by name (reused between refreshes).
@@ -95,11 +98,10 @@ class ScaleState(ScaleSchedule):
         self.host_mirror: HostMirror | None = None
         self._pending_mirror: HostMirror | None = None
         self._mirror_layout: list[tuple[str, Any, int]] = []
-        #: Whole steps captured in CUDA graphs (``graphs.GraphedStep``): a refresh copies its tables into templates
-        #: that keep their memory (:meth:`copy_templates`), so that a captured reuse step reads the same addresses
-        #: on every replay; ``template_generation`` counts the times templates were dropped.
+        #: Whole steps captured in CUDA graphs (``graphs.GraphedStep``): a full backward copies its tables into
+        #: templates that keep their memory (:meth:`copy_templates`), so that a captured reuse step reads the same
+        #: addresses on every replay, and marking the state stale keeps them (the reuse flag says they are stale).
         self.keep_templates = False
-        self.template_generation = 0
         #: Recorded steps: the output points' measured cast underflow, and every point's share of input-gradient
         #: elements that are zero in low precision but not in float32 for any reason (also forward mismatches).
         self.output_records: dict[str, Any] = {}
@@ -129,6 +131,7 @@ class ScaleState(ScaleSchedule):
             grown[name] = array
         self.arrays = grown
         self._views = {}
+        self.layout_generation += 1
 
     def to(self, device: torch.device | str) -> None:
         """Keep every tensor of the state on ``device``: where the model's parameters are when a graph is captured.
@@ -140,6 +143,7 @@ class ScaleState(ScaleSchedule):
         self.device = device
         self.arrays = {name: array.to(device) for name, array in self.arrays.items()}
         self._views = {}
+        self.layout_generation += 1
         self.caches = {name: value.to(device) for name, value in self.caches.items()}
         for plan in self.graphs.values():
             if plan.template is not None:
@@ -229,8 +233,7 @@ class ScaleState(ScaleSchedule):
         steps until the next refresh reuse (and their host copies, when the scaler read them back)."""
         if not self.reuse:
             for execution in self._active:
-                if not (self.keep_templates and execution.plan.template is not None):
-                    execution.plan.template = execution.table
+                self._save_template(execution)
             self.host_mirror = self._pending_mirror
         self._pending_mirror = None
         self._active = []
@@ -240,22 +243,29 @@ class ScaleState(ScaleSchedule):
         """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
         super().mark_stale()
         self.host_mirror = self._pending_mirror = None
-        self.template_generation = getattr(self, "template_generation", 0) + 1
-        for plan in getattr(self, "graphs", {}).values():
-            plan.template = None
+        if not getattr(self, "keep_templates", False):
+            for plan in getattr(self, "graphs", {}).values():
+                plan.template = None
 
     def copy_templates(self) -> None:
         """Inside a step that may be captured in a CUDA graph, after its backward: copy each table this iteration's
         full backward passes wrote into its graph's template (allocated on the first call), so that the template
         keeps one address for every replay (see ``keep_templates``). A no-op on steps that reuse the templates."""
         for execution in self._active:
-            plan = execution.plan
-            if execution.reuse:
-                continue
-            if plan.template is None:
-                plan.template = execution.table.clone()
-            elif plan.template is not execution.table:
-                plan.template.copy_(execution.table)
+            self._save_template(execution)
+
+    def _save_template(self, execution: "Execution") -> None:
+        """A full backward's table becomes its graph's template: the table itself, or with ``keep_templates`` a
+        copy into the template's own memory (allocated the first time)."""
+        plan = execution.plan
+        if execution.reuse or plan.template is execution.table:
+            return
+        if not self.keep_templates:
+            plan.template = execution.table
+        elif plan.template is None:
+            plan.template = execution.table.clone()
+        else:
+            plan.template.copy_(execution.table)
 
     # -- host copies for the steps between refreshes -----------------------------------------------------------------
 
