@@ -96,11 +96,13 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     from adaloss_cli.core.array_ops import device_scalars
     from benchmarks.workloads import Runner, build_initial
 
+    from benchmarks.workloads import GRAPH_VARIANTS
+
     initial, batches = build_initial(work, "cpu")
     results = {}
     graphs = torch._dynamo.utils.counters["stats"]
-    with device_scalars():
-        for name in list(variants) + [FUSED]:
+    with device_scalars():  # (a captured step is one graph launch: the graph variants are counted on a GPU only)
+        for name in [v for v in variants if v not in GRAPH_VARIANTS] + [FUSED]:
             runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu")
             runner.step(*batches[0])  # the model's own capture, before anything is counted
             if name == FUSED:
@@ -113,6 +115,35 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
                 metrics._adaloss_graphs = graphs["unique_graphs"] - before
             results[name] = count_step(lambda: runner.step(*batches[0]))
     return results
+
+
+def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -> dict[str, dict[str, Any]]:
+    """On a GPU, per variant and step: CUDA kernels run, the time the GPU was busy with them (ms) and host reads
+    (``item``/``tolist``), from torch's profiler over ``steps`` steps after the timing (warm, graphs captured)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    results = {}
+    for name, runner in runners.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for k in range(steps):
+                runner.step(*batches[k % len(batches)])
+            torch.cuda.synchronize()
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        results[name] = {"kernels": len(kernels) / steps,
+                         "gpu_busy_ms": sum(e.device_time for e in kernels) / steps / 1e3,
+                         "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events) / steps}
+    return results
+
+
+def report_cuda(model: str, counts: dict[str, dict[str, Any]]) -> None:
+    """Print :func:`count_cuda_kernels`'s table."""
+    print(f"\n{model}: CUDA kernels per step and GPU busy time (torch.profiler)")
+    print(f"  {'variant':<20} {'kernels':>9} {'GPU busy ms':>12} {'host reads':>11}")
+    for name, c in counts.items():
+        print(f"  {name:<20} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}")
 
 
 def report(model: str, counts: dict[str, dict[str, Any]], reference: str) -> None:

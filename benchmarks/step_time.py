@@ -305,7 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "instead of the plain device path")
     parser.add_argument("--launches", action="store_true",
                         help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
-                             "tensors (a GPU-cost proxy measurable anywhere; see benchmarks.launches)")
+                             "tensors (a GPU-cost proxy measurable anywhere; see benchmarks.launches); on cuda also "
+                             "the CUDA kernels each variant runs and the GPU's busy time")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler's top operators for each variant")
     parser.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
@@ -381,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][model_name] = {"workload": asdict(work), "timing": timing, "memory": memory,
                                          "runs": runs, "raw_step_seconds": times}
         if args.launches:
-            from benchmarks.launches import count_variants, report
+            from benchmarks.launches import count_cuda_kernels, count_variants, report, report_cuda
+            if kind == "cuda":
+                kernels = count_cuda_kernels(runners, batches)
+                report_cuda(model_name, kernels)
+                results["models"][model_name]["cuda_kernels"] = kernels
             counts = count_variants(work, list(args.variants), args.dtype)
             report(model_name, counts, REFERENCE)
             results["models"][model_name]["launches"] = counts
