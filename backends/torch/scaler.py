@@ -271,8 +271,8 @@ class LossScaler:
 
     def finish_device_step(self, found_overflow: bool, loss: float | None = None) -> None:
         """After a step whose optimizer applied the skip itself on the device (:meth:`unscale_on_device`): the
-        policy's decision from the flag read back, then :meth:`update`. The fused optimizer skipped exactly when
-        the flag was set; the policy agrees, as its decision on an overflow is never to step."""
+        policy's decision from the flag read back, then :meth:`update`. The two agree: the optimizer was given the
+        flag exactly when the policy never steps on an overflow (see :attr:`steps_on_overflow`)."""
         self.last_loss = loss
         self.found_overflow = bool(found_overflow)
         self.last_action = self.policy.update(self.found_overflow, self._attempt) if self.enabled else StepAction.STEP
