@@ -34,16 +34,6 @@ def build_optimizer(params, cfg: OptimizerConfig, fused: bool | None = None) -> 
                             fused=fused)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group's learning rate: written into a tensor learning rate (a CUDA-graphed step reads that tensor), or
-    set as a number."""
-    for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of (..., classes) logits against integer targets of shape (...): one label per example for
     classification, the next token at every position for a language model (the mean is over all positions)."""
@@ -163,7 +153,8 @@ class TorchBackend(Backend):
 
     def train_step(self, micro_batches: Sequence[Batch], lr: float, record: bool = False) -> StepOutcome:
         """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""
-        set_lr(self.optimizer, lr)
+        for group in self.optimizer.param_groups:  # a graphed step copies a number into the tensor it reads
+            group["lr"] = lr
         self.model.train()
         if self.graphed is not None and not record and len(micro_batches) == 1 and not self.inject_nonfinite_loss:
             return self._graphed_train_step(micro_batches[0])

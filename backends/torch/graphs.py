@@ -13,8 +13,9 @@ reuse paths the scale points take) is part of the key of its graph: a step whose
 Refresh and reuse steps of ``update_per_n_iteration`` > 1 get one graph each, sharing one memory pool; a new loss
 scale (dynamic scaling's growth or back-off) or headroom (adaptive's back-off after an overflow) captures again.
 
-Gradients live in tensors allocated once, outside every graph, and each captured step zeroes them first, so every
-graph and any eager step in between (the trainer's recorded steps) write the same ``.grad`` tensors.
+Gradients live in tensors allocated once, outside every graph, which each captured step zeroes first and each call
+attaches to the parameters again (an eager step in between, such as the trainer's recorded steps, may have replaced
+``.grad`` with tensors of its own).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ _FUSED_SUPPORTED = "SGD, Adam or AdamW built with fused=True"
 
 def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Check that ``optimizer`` can run inside a CUDA graph with the skip applied on the device, and make each
-    group's learning rate a 0-d float32 device tensor (a Python number would be frozen into the graph); returns
-    those tensors. Raises ValueError naming what to change."""
+    group's learning rate a 0-d float32 device tensor (a Python number would be frozen into the graph), which it
+    returns, and start fused SGD's momentum at zero (:func:`_start_momentum_at_zero`). Raises ValueError naming what
+    to change."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         fused = optimizer.defaults.get("fused")
         raise ValueError(f"CUDA graphs need an optimizer that applies the overflow skip on the device: "
