@@ -329,6 +329,26 @@ def test_branch_common_scale(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_branch_common_scale_halves_the_fewest_times_when_none_fits(backend):
+    """When no incoming scale fits, the common scale is the smallest one halved exactly as often as needed: checked
+    against counting the halvings, on magnitudes at and around every power-of-two boundary."""
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        a_min = 2.0 ** int(rng.integers(-4, 20))
+        scales = [a_min, a_min * 2.0 ** int(rng.integers(1, 8))]
+        # The true magnitude that puts m * a_min at u_max * 2**k, exactly or one float32 step either side.
+        k = int(rng.integers(0, 30))
+        top = np.float32(65504.0 * 2.0 ** k / a_min)
+        top = [top, np.nextafter(top, np.float32(np.inf)), np.nextafter(top, np.float32(0))][int(rng.integers(3))]
+        grads = [to(backend, np.array([top * scales[0]], np.float32)), to(backend, np.array([1.0], np.float32))]
+        common = float(value(branch_common_scale(grads, scales, 65504.0)[0]))
+        m, expected = float(top), a_min
+        while m * expected >= 65504.0:
+            expected /= 2.0
+        assert common == expected, (top, scales)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_underflow_fraction(backend):
     ref = np.array([1e-9, 1e-3, 0.0, 2e-8, -5e-9, 1.0], np.float32)
     low = ref.astype(np.float16)  # 1e-9, 2e-8 and -5e-9 round to zero in fp16
@@ -338,6 +358,25 @@ def test_underflow_fraction(backend):
 
 
 # --- no host reads, other devices -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["max_range", "measured_range", "approx_range", "fixed"])
+def test_a_refresh_reads_the_output_gradient_for_its_peak_once(monkeypatch, golden_layer, method):
+    """The layer's factor and its weight gradient's bound both need max |gy|: one reduction over gy serves both (on
+    a GPU each is a full read of an activation gradient)."""
+    from adaloss_cli.core.scale_steps import refresh_factors
+
+    gy, w = (torch.from_numpy(a) for a in golden_layer)
+    x = torch.randn(32, 128).half()
+    reductions = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t, **kw: reductions.append(t) or aminmax(t, **kw))
+    opts = AdaptiveOptions(method=method, fixed_loss_scale=4.0)
+    with device_scalars():
+        values = refresh_factors(gy, w, x, torch.tensor(8.0), torch.tensor(8.0), fan=64, axes=LINEAR_AXES,
+                                 x_axis=-1, options=opts, headroom=1.0)
+    assert sum(t is gy for t in reductions) == 1
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in values[2:])
+
 
 def test_torch_path_never_reads_back_to_the_host(monkeypatch, golden_layer):
     gy, w = (torch.from_numpy(a) for a in golden_layer)

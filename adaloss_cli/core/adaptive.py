@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes_from,
-                             norm_and_abs_max, per_index_extremes, underflow_k)
+                             l2_norm, norm_and_abs_max, per_index_extremes, underflow_k)
 from .array_ops import Float32Ops, ops_for
 from .range_bounds import abs_sum_max, measured_lift, output_factor, weight_gradient_bound
 
@@ -173,14 +173,29 @@ def _weight_statistics(ops: Float32Ops, w: Any, opts: AdaptiveOptions, axes: Any
     return WeightStatistics(method, per_index_extremes(ops, w, axes[1]), size, axes)
 
 
-# Each method takes gy on its device (ops) and W's statistics, and finishes in ops.scalars (sops: 0-d device arrays,
-# or float32 scalars on the host, see array_ops); it returns (s, ok): the unbound factor and whether its statistics
-# were usable (None: s itself tells, as _unbound_factor rejects any s that is not positive and finite).
-def _approx_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+class Peak:
+    """max |gy| of one scale point's refresh, reduced at most once: the layer's factor and its weight gradient's
+    bound both need it, and each reduction is a full read of the gradient."""
+
+    __slots__ = ("ops", "gy", "value")
+
+    def __init__(self, ops: Float32Ops, gy: Any) -> None:
+        self.ops, self.gy, self.value = ops, gy, None
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = abs_max_value(self.ops, self.gy)
+        return self.value
+
+
+# Each method takes gy on its device (ops), its Peak and W's statistics, and finishes in ops.scalars (sops: 0-d
+# device arrays, or float32 scalars on the host, see array_ops); it returns (s, ok): the unbound factor and whether
+# its statistics were usable (None: s itself tells, as _unbound_factor rejects any s that is not positive and finite).
+def _approx_range(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
                   u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
-    norm_gy, g_max = norm_and_abs_max(ops, gy)
+    norm_gy, g_max = l2_norm(ops, gy), peak()
     norm_w, w_max = ws.values
     # sigma = sqrt(fan / 2 * E[gy^2] * E[W^2]) = |gy| |W| sqrt(fan / 2 / n), from the norms (the product of the sums
     # of squares can underflow), so u_min / (k * sigma) = (u_min / (k * sqrt(fan / 2 / n))) / (|gy| |W|).
@@ -193,18 +208,18 @@ def _approx_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts
     return sops.minimum(lower, c(u_max / fan) / (g_max * w_max)), None
 
 
-def _measured_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+def _measured_range(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
                     u_min: float, u_max: float) -> tuple[Any, Any]:
     """approx_range with the Gaussian lower bound replaced by the measured one (:func:`measured_lift`)."""
     sops = ops.scalars
     c = sops.const
     _, w_max = ws.values
     lower = measured_lift(ops, gy, u_min, opts.n_uf_threshold)
-    upper = c(u_max / fan) / (abs_max_value(ops, gy) * w_max)
+    upper = c(u_max / fan) / (peak() * w_max)
     return sops.minimum(lower, upper), None
 
 
-def _max_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+def _max_range(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
                u_min: float, u_max: float) -> tuple[Any, Any]:
     """The largest factor that keeps s * gy and gx = (s * gy) . W below u_max / 2, from the exact bound
     max|gx| <= max|gy| * sum|W| (range_bounds.py): every gradient as far from underflow as the range allows, with
@@ -216,11 +231,11 @@ def _max_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: A
     sops = ops.scalars
     c = sops.const
     (w_bound,) = ws.values
-    s = c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(w_bound, c(1.0)))
+    s = c(u_max / 2.0) / (peak() * sops.maximum(w_bound, c(1.0)))
     return sops.where(s < c(1.0), sops.minimum(s * c(2.0), c(1.0)), s), None
 
 
-def _abs_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+def _abs_range(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
                u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
@@ -234,7 +249,7 @@ def _abs_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: A
     return sops.where(o_max > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
-def _element_wise_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+def _element_wise_range(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
                         u_min: float, u_max: float) -> tuple[Any, Any]:
     sops = ops.scalars
     c = sops.const
@@ -246,13 +261,13 @@ def _element_wise_range(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int
     return sops.where(hi > c(0.0), sops.minimum(lower, upper), c(1.0)), ok
 
 
-def _fixed(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
+def _fixed(ops: Float32Ops, gy: Any, peak: Peak, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
            u_min: float, u_max: float) -> tuple[Any, Any]:
     """The constant factor; with the exact bounds capped by max_range's (so the constant cannot overflow)."""
     constant = ops.scalars.const(opts.fixed_loss_scale)
     if not ws.values:
         return constant, None
-    return ops.scalars.minimum(constant, _max_range(ops, gy, ws, fan, opts, u_min, u_max)[0]), None
+    return ops.scalars.minimum(constant, _max_range(ops, gy, peak, ws, fan, opts, u_min, u_max)[0]), None
 
 
 _UNBOUND: dict[str, Callable[..., tuple[Any, Any]]] = {
@@ -291,15 +306,17 @@ def _statistics_of(w: Any, opts: AdaptiveOptions, axes: Any) -> WeightStatistics
 # The private functions below expect the caller to have entered ``ops.quiet()`` (once per public call: entering it
 # costs more than the arithmetic it guards).
 def _unbound_factor(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: AdaptiveOptions,
-                    headroom: float = 1.0) -> Any:
-    """``headroom`` (0 < h <= 1) shrinks the top of the range to h * u_max: the overflow policy's back-off."""
+                    headroom: float = 1.0, peak: Peak | None = None) -> Any:
+    """``headroom`` (0 < h <= 1) shrinks the top of the range to h * u_max: the overflow policy's back-off;
+    ``peak``: gy's :class:`Peak`, when the caller needs max |gy| too."""
     sops = ops.scalars
     if fan < 1:
         raise ValueError(f"fan must be >= 1, got {fan}")
     if math.prod(gy.shape) == 0 or ws.size == 0:
         return sops.const(1.0)
     u_min, u_max = opts.range_for(gy.dtype)
-    s, ok = _UNBOUND[opts.method](ops, gy, ws, fan, opts, u_min, u_max * headroom)
+    peak = Peak(ops, gy) if peak is None else peak
+    s, ok = _UNBOUND[opts.method](ops, gy, peak, ws, fan, opts, u_min, u_max * headroom)
     usable = sops.positive_finite(s) if ok is None else sops.logical_and(ok, sops.positive_finite(s))
     return sops.where(usable, s, sops.const(1.0))
 
@@ -314,16 +331,20 @@ def bound_factor(s: Any, accum_scale: Any, opts: AdaptiveOptions) -> Any:
     ops = ops_for(s)
     with ops.quiet():
         a = ops.scalar(accum_scale)
-        return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), a, a, opts))
+        return ops.from_scalar(_bound(ops.scalars, ops.scalar(s), a, opts))
 
 
-def _bound(sops: Any, s: Any, relative: Any, absolute: Any, opts: AdaptiveOptions) -> Any:
-    """``relative``: A counted from the output point (what accum_upper_bound caps); ``absolute``: A itself."""
+def _bound(sops: Any, s: Any, accum: Any, opts: AdaptiveOptions, origin: Any = None, ceiling: Any = None) -> Any:
+    """``accum``: A itself; ``origin``: the output point's scale, from which accum_upper_bound counts A (None: A
+    counts from 1); ``ceiling``: MAX_ACCUMULATED_SCALE / A when the caller has it. Each division is made only where
+    it is used: on a device every one is a kernel."""
     if opts.method in _CAPPED_METHODS and opts.use_bound:
         if opts.accum_upper_bound is not None:
-            s = sops.minimum(s, sops.const(opts.accum_upper_bound) / relative)
+            s = sops.minimum(s, sops.const(opts.accum_upper_bound) / (accum if origin is None else accum / origin))
         s = sops.minimum(s, sops.const(opts.scale_upper_bound))
-    s = sops.minimum(s, sops.const(MAX_ACCUMULATED_SCALE) / absolute)
+    if ceiling is None:
+        ceiling = sops.const(MAX_ACCUMULATED_SCALE) / accum
+    s = sops.minimum(s, ceiling)
     return _floor_power_of_two(sops, s) if opts.power_of_two else s
 
 
@@ -378,10 +399,11 @@ def _branch_common_scale(ops: Float32Ops, grads: Sequence[Any], a: Sequence[Any]
     a_max, a_min = functools.reduce(sops.maximum, a), functools.reduce(sops.minimum, a)
     best = functools.reduce(sops.maximum, [sops.where(m * a_i < limit, a_i, c(0.0)) for a_i in a])
     fits = best > c(0.0)
-    # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below.
+    # None fits, so r = m * a_min / u_max >= 1 and a_min / 2**(floor(log2 r) + 1) is the first halving below
+    # (2**floor(log2 r) exactly, from r's exponent bits; the two corrections below settle any off-by-one anyway).
     r = m * a_min / limit
     r = sops.where(sops.logical_and(sops.isfinite(r), r >= c(1.0)), r, c(1.0))
-    halved = a_min / sops.pow(c(2.0), sops.floor(sops.log2(r)) + c(1.0))
+    halved = a_min / (sops.floor_power_of_two(r) * c(2.0))
     halved = sops.where(m * halved >= limit, halved * c(0.5), halved)
     grow = sops.logical_and(m * (halved * c(2.0)) < limit, halved * c(2.0) < a_min)
     halved = sops.where(grow, halved * c(2.0), halved)

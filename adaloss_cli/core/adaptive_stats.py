@@ -21,8 +21,9 @@ from .array_ops import HOST, Float32Ops, ops_for
 
 __all__ = [
     "CONV_AXES", "LINEAR_AXES", "Float32Ops", "abs_max", "conv_fan", "default_axes", "default_range",
-    "element_wise_extremes", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for", "underflow_fraction",
-    "underflow_k", "abs_extremes", "abs_max_value", "per_index_extremes", "element_wise_extremes_from",
+    "element_wise_extremes", "l2_norm", "linear_fan", "nonzero_abs_min", "norm_and_abs_max", "ops_for",
+    "underflow_fraction", "underflow_k", "abs_extremes", "abs_max_value", "per_index_extremes",
+    "element_wise_extremes_from",
 ]
 
 #: (gy axis, W axis) of the dimension summed over in gx = gy . W: Linear gy (..., out), W (out, in).
@@ -121,13 +122,19 @@ def norm_and_abs_max(ops: Float32Ops, x: Any) -> tuple[Any, Any]:
     (float64 for float64 input); on CPU, where that norm widens its whole input first, fp16/bf16 tensors are taken
     in chunks of :data:`CPU_CAST_CHUNK` elements. NumPy/CuPy: an inner product of the float32 values.
     """
+    return l2_norm(ops, x), abs_max_value(ops, x)
+
+
+def l2_norm(ops: Float32Ops, x: Any) -> Any:
+    """sqrt(sum of x^2) over all elements, in float32, as a value of ``ops.scalars`` (see :func:`norm_and_abs_max`
+    for how it is reduced); NaN propagates."""
     if ops.is_torch:
         norm = _torch_norm(ops.native, x)
-        return (ops.scalar(norm) if ops.host_scalars else norm), abs_max_value(ops, x)
+        return ops.scalar(norm) if ops.host_scalars else norm
     flat = ops.f32(x).reshape(-1)
-    if ops.is_numpy:  # float32 scalars already, straight from the ufuncs (see abs_max_value)
-        return np.sqrt(np.dot(flat, flat)), HOST.maximum(np.maximum.reduce(flat), -np.minimum.reduce(flat))
-    return ops.f32(ops.native.sqrt(flat @ flat)), abs_max_value(ops, flat)
+    if ops.is_numpy:  # a float32 scalar already, straight from the ufunc (see abs_max_value)
+        return np.sqrt(np.dot(flat, flat))
+    return ops.f32(ops.native.sqrt(flat @ flat))
 
 
 def _single_norm(torch: Any, x: Any) -> bool:

@@ -194,18 +194,6 @@ class HostScalars:
         return self.const(math.copysign(math.ldexp(0.5, math.frexp(magnitude)[1]), value))
 
     @staticmethod
-    def floor(x: Any) -> Any:
-        return np.floor(x)
-
-    @staticmethod
-    def log2(x: Any) -> Any:
-        return np.log2(x)
-
-    @staticmethod
-    def pow(base: Any, exponent: Any) -> Any:
-        return np.power(base, exponent)
-
-    @staticmethod
     def quiet() -> _NumpyQuiet:
         """Silence NumPy's floating-point warnings: non-finite values are handled, not warned about."""
         return _NumpyQuiet()
@@ -299,15 +287,6 @@ class Float32Ops:
         """num / den, or if_zero where den == 0, without a division by zero."""
         zero = den == self.const(0.0)
         return self.where(zero, self.const(if_zero), num / self.where(zero, self.const(1.0), den))
-
-    def floor(self, x: Any) -> Any:
-        return self.xp.floor(x)
-
-    def log2(self, x: Any) -> Any:
-        return self.xp.log2(x)
-
-    def pow(self, base: Any, exponent: Any) -> Any:
-        return self.xp.pow(base, exponent)
 
 
 _OPS: dict[tuple[type, Any, bool], Float32Ops] = {}

@@ -110,10 +110,12 @@ def weight_gradient_bound(gy: Any, x_bound: Any, headroom: float = 1.0, u_max: f
         return ops.from_scalar(_weight_gradient_bound(ops, gy, ops.scalar(x_bound), top * headroom))
 
 
-def _weight_gradient_bound(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float) -> Any:
+def _weight_gradient_bound(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float, peak: Any = None) -> Any:
+    """``peak``: max |gy| when the caller has it already (a ``Peak`` of adaptive.py), else reduced here."""
     sops = ops.scalars
     c = sops.const
-    s = c(u_max / 2.0) / (abs_max_value(ops, gy) * sops.maximum(x_bound, c(1.0)))
+    g_max = abs_max_value(ops, gy) if peak is None else peak()
+    s = c(u_max / 2.0) / (g_max * sops.maximum(x_bound, c(1.0)))
     return sops.where(sops.positive_finite(s), s, c(1.0))
 
 

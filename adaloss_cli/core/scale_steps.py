@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .adaptive import (MAX_ACCUMULATED_SCALE, _bound, _branch_common_scale, _floor_power_of_two, _statistics_of,
-                       _unbound_factor)
+from .adaptive import (MAX_ACCUMULATED_SCALE, Peak, _bound, _branch_common_scale, _floor_power_of_two,
+                       _statistics_of, _unbound_factor)
 from .range_bounds import _output_factor, _weight_gradient_bound, abs_sum_max
 
 _SCALAR_TYPES = (int, float, np.generic)
@@ -91,12 +91,13 @@ def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any,
     ops = ops_for(gy)
     sops = ops.scalars
     with ops.quiet():
-        unbound = _unbound_factor(ops, gy, _statistics_of(weight, options, axes), fan, options, headroom)
+        peak = Peak(ops, gy)  # max |gy|, reduced once for both factors
+        unbound = _unbound_factor(ops, gy, _statistics_of(weight, options, axes), fan, options, headroom, peak)
         if options.exact_bounds and x_bound is not None:
             if not isinstance(x_bound, _SCALAR_TYPES) and getattr(x_bound, "ndim", 0) > 0:
                 x_bound = abs_sum_max(ops_for(x_bound), x_bound, x_axis)
             u_max = options.range_for(gy.dtype)[1] * headroom
-            weight_unbound = _weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max)
+            weight_unbound = _weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max, peak)
         else:
             weight_unbound = sops.const(float("inf"))
         return (unbound, weight_unbound) + _bounded(sops, unbound, weight_unbound, accum, origin, options)
@@ -105,17 +106,19 @@ def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any,
 def _bounded(sops: Any, unbound: Any, weight_unbound: Any, accum: Any, origin: Any, options: Any) -> tuple:
     """(factor, weight_factor, A * factor, A * weight_factor): the caps and the power-of-two floor applied with
     the current accumulated scales (what steps between refreshes recompute when anything changed)."""
-    factor = _bound(sops, unbound, accum / origin, accum, options)
-    weight_factor = _weight_factor(sops, factor, weight_unbound, accum, options)
+    ceiling = sops.const(MAX_ACCUMULATED_SCALE) / accum
+    factor = _bound(sops, unbound, accum, options, origin, ceiling)
+    weight_factor = _weight_factor(sops, factor, weight_unbound, ceiling, options)
     return factor, weight_factor, accum * factor, accum * weight_factor
 
 
-def _weight_factor(sops: Any, factor: Any, bound: Any, accum: Any, opts: Any) -> Any:
+def _weight_factor(sops: Any, factor: Any, bound: Any, ceiling: Any, opts: Any) -> Any:
     """max_range fills the range on its own for the weight gradient; the paper's methods keep their factor unless
-    it would overflow the weight gradient. ``bound`` = +inf: no separate bound, the factor itself."""
+    it would overflow the weight gradient. ``bound`` = +inf: no separate bound, the factor itself. ``ceiling``:
+    MAX_ACCUMULATED_SCALE / A."""
     if opts.method != "max_range":
         bound = sops.minimum(bound, factor)
-    bound = sops.minimum(bound, sops.const(MAX_ACCUMULATED_SCALE) / accum)
+    bound = sops.minimum(bound, ceiling)
     return _floor_power_of_two(sops, bound) if opts.power_of_two else bound
 
 
