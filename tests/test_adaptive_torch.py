@@ -176,6 +176,29 @@ def test_parameter_gradients_equal_plain_autograd_in_float64(name, method):
     assert state.backward_passes == 1 and len(state.names) >= 2
 
 
+@pytest.mark.parametrize("name", ["resnet20", "gpt"])
+def test_frozen_norm_weights_with_trainable_biases_get_plain_gradients(name):
+    """BitFit-style fine-tuning: a norm's weight frozen, its bias trained. The two share one parameter-use node,
+    which must leave the frozen one without a gradient and divide the other by its scale, on a refresh and between
+    refreshes (host copies of the scales on the device path)."""
+    model, x, y = build(name, torch.float64)
+    for module in model.modules():
+        if isinstance(module, (nn.BatchNorm2d, nn.LayerNorm)):
+            module.weight.requires_grad_(False)
+    expected = plain_grads(model, x, y)
+    scaler = LossScaler(model, "adaptive", update_per_n_iteration=2, init_scale=8.0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with device_scalars():
+        for _ in range(2):  # a refresh, then a step that applies the stored scales
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            assert_same_grads(grads(model), expected, rtol=1e-10, atol=F64_NOISE)
+            scaler.step(optimizer)
+            scaler.update()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(model.get_parameter(n).grad is None for n in frozen)
+
+
 class CrossAttention(nn.Module):
     """nn.MultiheadAttention in the layouts and options its forward handles differently: batch-first or not, one
     packed projection or separate q/k/v weights (kdim != embed_dim), with or without a key padding mask."""

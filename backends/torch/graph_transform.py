@@ -57,8 +57,9 @@ class AdalossGraph(nn.Module):
 
     def table_text(self) -> str:
         """The scale points (name, kind, fan) and branch/join points of this graph as a text table."""
+        uses = sum(len(use.names) for use in self.params)
         lines = [f"adaloss graph: {len(self.points)} scale points, {len(self.branches)} branch/join points, "
-                 f"{len(self.params)} other parameter uses", f"  {'scale point':<36} {'type':<16} {'fan':>7}"]
+                 f"{uses} other parameter uses", f"  {'scale point':<36} {'type':<16} {'fan':>7}"]
         lines += [f"  {p.name:<36} {p.kind:<16} {p.fan:>7}" for p in self.points]
         lines += [f"  {'branch/join point (value)':<36} {'consumers':>9}"] if len(self.branches) else []
         lines += [f"  {b.name:<36} {b.fan_out:>9}{' (join)' if b.join else ''}" for b in self.branches]
@@ -85,8 +86,8 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_nodes)
     branches = _insert_joins_and_branches(gm, adaloss, begin, derived, state)
     slot = _assign_slots(graph, adaloss, points, branches, outputs)
-    for node, use in uses.items():
-        use.slot = slot.get(next(iter(node.users)), 0) if node.users else 0
+    for user, use in uses.items():
+        use.slot = slot.get(user, 0)
     for node, point in inputs.items():
         point.slot = slot.get(node, 0)
     origin = adaloss.outputs[0].in_slot if len(adaloss.outputs) else 0
@@ -215,24 +216,28 @@ def _insert_scale_points(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set
 
 def _insert_parameter_uses(gm: fx.GraphModule, adaloss: AdalossGraph, derived: set[fx.Node],
                            params: dict[fx.Node, str], points: dict[fx.Node, ScalePoint]) -> dict[fx.Node, ParamUse]:
-    """A parameter use before every operation that uses a parameter (or a view of one) and is not a scale point's
-    weight or bias, nor a further view."""
+    """One parameter use before every operation that uses parameters (or views of them) and is not a scale point's
+    weight or bias, nor a further view: it takes all of that operation's parameters (a norm's weight and bias), and
+    hands each back through a ``getitem``. Keyed by the operation's node (whose output gradient's slot it reads)."""
     graph = gm.graph
     begin = next(n for n in graph.nodes if n.op == "call_module" and n.target == "adaloss.begin")
-    uses: dict[fx.Node, ParamUse] = {}
+    values_of: dict[fx.Node, list[fx.Node]] = {}
     for value in [n for n in graph.nodes if n in derived and carries_grad(n)]:
-        for user in list(value.users):
-            if user in derived or (user in points and user.args[1] is not value):
+        for user in value.users:
+            if user in derived or (user in points and user.args[1] is not value) or user.op == "output":
                 continue
-            if user.op == "output":
-                continue
-            use = ParamUse(_root_name(value, params), castable=user.target not in NORMS)
-            adaloss.params.append(use)
-            with graph.inserting_before(user):
-                node = graph.call_module(f"adaloss.params.{len(adaloss.params) - 1}", (begin, value))
-            node.meta["example_value"] = example(value)
-            user.replace_input_with(value, node)
-            uses[node] = use
+            values_of.setdefault(user, []).append(value)
+    uses: dict[fx.Node, ParamUse] = {}
+    for user, values in values_of.items():
+        use = ParamUse([_root_name(v, params) for v in values], castable=user.target not in NORMS)
+        adaloss.params.append(use)
+        with graph.inserting_before(user):
+            node = graph.call_module(f"adaloss.params.{len(adaloss.params) - 1}", (begin, *values))
+            for i, value in enumerate(values):
+                item = graph.call_function(operator.getitem, (node, i))
+                item.meta["example_value"] = example(value)
+                user.replace_input_with(value, item)
+        uses[user] = use
     return uses
 
 

@@ -139,36 +139,56 @@ class Begin(nn.Module):
 
 class _ParamUse(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, point: "ParamUse", execution: Execution, p: torch.Tensor) -> torch.Tensor:
-        ctx.point, ctx.execution, ctx.dtype = point, execution, p.dtype
-        return _pure_cast(execution, p) if point.castable and execution.pure else p.view_as(p)
+    def forward(ctx, point: "ParamUse", execution: Execution, *ps: torch.Tensor) -> tuple:
+        ctx.point, ctx.execution, ctx.dtypes = point, execution, [p.dtype for p in ps]
+        ctx.set_materialize_grads(False)
+        if point.castable and execution.pure:
+            return tuple(_pure_cast(execution, p) for p in ps)
+        return tuple(p.view_as(p) for p in ps)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor | None):
         execution = ctx.execution
         if execution.reference_pass or not execution.adaptive:
-            return None, None, g.to(ctx.dtype)
+            return None, None, *(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
         execution.started_backward()
-        return None, None, divide_to(g, execution.scale_arrays()[0][ctx.point.slot], ctx.dtype)
+        return None, None, *divide_all(grads, execution.scale_arrays()[0][ctx.point.slot], ctx.dtypes)
+
+
+def divide_all(grads: tuple, scale: Any, dtypes: list) -> list:
+    """:func:`divide_to` of each gradient (None stays None); gradients already in their parameter's float32 (a
+    norm's weight and bias under autocast) are divided in one multi-tensor operation."""
+    present = [g for g in grads if g is not None]
+    if present and all(g.dtype == d and g.dtype in (torch.float32, torch.float64)
+                       for g, d in zip(grads, dtypes) if g is not None):
+        if isinstance(scale, torch.Tensor):
+            quotients = iter(torch._foreach_div(present, scale))
+        else:
+            value = float(scale)
+            quotients = iter(present if value == 1.0 else torch._foreach_div(present, value))
+        return [None if g is None else next(quotients) for g in grads]
+    return [None if g is None else divide_to(g, scale, d) for g, d in zip(grads, dtypes)]
 
 
 class ParamUse(nn.Module):
-    """Between a parameter and one operation that is not a scale point: the gradient of that use is divided by the
-    scale it carries (the slot of the operation's output gradient), in float32. ``castable``: in the pure
-    low-precision mode the parameter is cast to the compute dtype here (normalisation weights stay float32)."""
+    """Between parameters and one operation that is not a scale point (a norm's weight and bias, an embedding
+    table): the gradient of each use is divided by the scale it carries (the slot of the operation's output
+    gradient), in float32; one autograd node serves every parameter of the operation. ``castable``: in the pure
+    low-precision mode the parameters are cast to the compute dtype here (normalisation weights stay float32)."""
 
-    def __init__(self, name: str, castable: bool) -> None:
+    def __init__(self, names: list[str], castable: bool) -> None:
         super().__init__()
-        self.name, self.castable = name, castable
+        self.names, self.castable = names, castable
         self.slot = 0
 
-    def forward(self, execution: Execution, p: torch.Tensor) -> torch.Tensor:
-        if not p.requires_grad or not torch.is_grad_enabled():
-            return _pure_cast(execution, p) if self.castable and execution.pure else p
-        return _ParamUse.apply(self, execution, p)
+    def forward(self, execution: Execution, *ps: torch.Tensor) -> tuple:
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in ps):
+            cast = self.castable and execution.pure
+            return tuple(_pure_cast(execution, p) if cast else p for p in ps)
+        return _ParamUse.apply(self, execution, *ps)
 
     def extra_repr(self) -> str:
-        return f"{self.name}: slot {self.slot}"
+        return f"{', '.join(self.names)}: slot {self.slot}"
 
 
 class _Branch(torch.autograd.Function):
