@@ -175,9 +175,8 @@ def _weight_statistics(ops: Float32Ops, w: Any, opts: AdaptiveOptions, axes: Any
 
 class Peak:
     """max |gy| of one scale point's refresh, reduced at most once: the layer's factor and its weight gradient's
-    bound both need it, and each reduction is a full read of the gradient."""
-
-    __slots__ = ("ops", "gy", "value")
+    bound both need it, and each reduction is a full read of the gradient. (A plain object, no ``__slots__``: the
+    compiled refresh traces it with torch.compile.)"""
 
     def __init__(self, ops: Float32Ops, gy: Any) -> None:
         self.ops, self.gy, self.value = ops, gy, None
