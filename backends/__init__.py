@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from adaloss_cli.backends.chainer._compat import INSTALL_COMMAND as CHAINER_INSTALL_COMMAND
 from adaloss_cli.errors import UserError
+from adaloss_cli.signals import signals_held
 
 if TYPE_CHECKING:
     from adaloss_cli.backends.base import Backend
@@ -57,4 +58,6 @@ def get_backend(name: str) -> type["Backend"]:
     if not is_backend_installed(name):
         raise UserError(f"backend '{name}' needs the '{framework}' package, which is not installed; "
                         f"{install_hint(name)}, or choose another backend")
-    return getattr(importlib.import_module(module_name), class_name)
+    with signals_held():  # the framework's C initialisation would swallow a Ctrl-C (see signals_held)
+        module = importlib.import_module(module_name)
+    return getattr(module, class_name)

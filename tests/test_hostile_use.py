@@ -250,6 +250,25 @@ def wait_until_importing_torch(proc: subprocess.Popen) -> None:
     raise AssertionError("the process never loaded torch")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_framework_loads_is_raised_after_the_load(signum):
+    """torch's C initialisation clears exceptions raised in the Python it runs, so a Ctrl-C there was lost and
+    training started anyway. Held signals are delivered when the load ends, whatever swallowed them meanwhile."""
+    from adaloss_cli.signals import Terminated, signals_held, sigterm_raises
+
+    finished = False
+    with sigterm_raises(), pytest.raises(KeyboardInterrupt) as raised:
+        with signals_held():
+            signal.raise_signal(signum)
+            try:  # what the C initialisation does with an exception
+                time.sleep(0.01)
+            except BaseException:
+                pytest.fail("the signal was delivered inside the block")
+            finished = True
+    assert finished and isinstance(raised.value, Terminated) == (signum == signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_exits_128_plus_n_without_a_traceback(tmp_path, signum):
