@@ -10,10 +10,13 @@ tensors under ``torch.profiler``, and
   metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes before it runs
   (of an elementwise operation's operand of another dtype, of a 0-d operand such as a Python number) are left out
   of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). For the fused variant
-  (``adaptive-1-fused``, the compiled refresh that CUDA runs by default), each call of a compiled region adds the
+  (``adaptive-1-fused``, the compiled refresh, ``LossScaler(fused=True)``), each call of a compiled region adds the
   kernels Inductor generated for it (``torch._inductor.metrics``), averaged over its compiled graphs;
 - ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
-  skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read.
+  skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read;
+- ``host ms`` (:func:`host_times`): the time of a step on the same code path at the ``--quick`` sizes, where CPU
+  kernels cost little next to Python and dispatch: what an eager step costs a GPU's host, which bounds eager
+  adaptive scaling there (the per-point autograd Functions), and which the counts do not see.
 
 It is a proxy: it does not see launch latency or kernel duration, but it moves with every change that adds or
 removes work from the step, on every machine. ``python -m benchmarks --launches`` prints it (also in the JSON).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 # ATen operations that launch no kernel: views, metadata, allocations.
 _NO_KERNEL = frozenset({
@@ -117,6 +120,23 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     return results
 
 
+def host_times(work: Any, variants: list[str], dtype: str, timer: Callable[..., dict],
+               summarise: Callable[[dict], dict]) -> dict[str, dict[str, Any]]:
+    """Per variant, the time of one step on the CUDA code path on CPU tensors of ``work``'s tiny (``--quick``)
+    sizes, interleaved as the timing itself (``timer``: ``time_variants``, ``summarise``: ``summarise_times``).
+
+    At those sizes a CPU kernel costs a few microseconds, so the time is what the host spends on each step: Python
+    (autograd Functions, the scale logic) and dispatch. That is what bounds an eager adaptive step on a GPU, where
+    the kernels run beside the host, and what the launch counts above do not see."""
+    from adaloss_cli.core.array_ops import device_scalars
+    from benchmarks.workloads import Runner, build_initial
+
+    initial, batches = build_initial(work, "cpu")
+    with device_scalars():
+        runners = {name: Runner(name, copy.deepcopy(initial), dtype, "cpu") for name in variants}
+        return summarise(timer(runners, batches, work, "cpu"))
+
+
 def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -> dict[str, dict[str, Any]]:
     """On a GPU, per variant and step: CUDA kernels run, the time the GPU was busy with them (ms) and host reads
     (``item``/``tolist``), from torch's profiler over ``steps`` steps after the timing (warm, graphs captured)."""
@@ -146,11 +166,17 @@ def report_cuda(model: str, counts: dict[str, dict[str, Any]]) -> None:
         print(f"  {name:<20} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}")
 
 
-def report(model: str, counts: dict[str, dict[str, Any]], reference: str) -> None:
-    """Print the counts and their ratios to the reference variant."""
+def report(model: str, counts: dict[str, dict[str, Any]], reference: str,
+           host: dict[str, dict[str, Any]] | None = None) -> None:
+    """Print the counts and their ratios to the reference variant, and :func:`host_times` where given."""
     base = counts[reference]
-    print(f"\n{model}: operations per step on the CUDA code path (counted on CPU; a proxy for launch-bound GPU time)")
-    print(f"  {'variant':<18} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}")
+    print(f"\n{model}: operations per step on the CUDA code path (counted on CPU; a proxy for launch-bound GPU time)"
+          + ("; host time per step at --quick sizes (a proxy for host-bound GPU time)" if host else ""))
+    print(f"  {'variant':<18} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}"
+          + (f" {'host ms':>8} {'x ' + reference:>14}" if host else ""))
     for name, c in counts.items():
-        print(f"  {name:<18} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
-              f"{c['host_reads']:>11}")
+        row = (f"  {name:<18} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
+               f"{c['host_reads']:>11}")
+        if host and name in host:
+            row += f" {host[name]['ms_median']:>8.2f} {host[name]['ratio']:>14.2f}"
+        print(row)

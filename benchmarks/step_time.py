@@ -52,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -305,8 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "instead of the plain device path")
     parser.add_argument("--launches", action="store_true",
                         help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
-                             "tensors (a GPU-cost proxy measurable anywhere; see benchmarks.launches); on cuda also "
-                             "the CUDA kernels each variant runs and the GPU's busy time")
+                             "tensors, and time that path's steps at --quick sizes, where the host's Python and "
+                             "dispatch dominate (GPU-cost proxies measurable anywhere; see benchmarks.launches); on "
+                             "cuda also the CUDA kernels each variant runs and the GPU's busy time")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler's top operators for each variant")
     parser.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
@@ -382,14 +383,19 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][model_name] = {"workload": asdict(work), "timing": timing, "memory": memory,
                                          "runs": runs, "raw_step_seconds": times}
         if args.launches:
-            from benchmarks.launches import count_cuda_kernels, count_variants, report, report_cuda
+            from benchmarks.launches import count_cuda_kernels, count_variants, host_times, report, report_cuda
             if kind == "cuda":
                 kernels = count_cuda_kernels(runners, batches)
                 report_cuda(model_name, kernels)
                 results["models"][model_name]["cuda_kernels"] = kernels
-            counts = count_variants(work, list(args.variants), args.dtype)
-            report(model_name, counts, REFERENCE)
+            eager = [name for name in args.variants if name not in GRAPH_VARIANTS]
+            counts = count_variants(work, eager, args.dtype)
+            host = host_times(replace(workload_for(model_name, "cpu", True, argparse.Namespace(
+                batch_size=None, warmup=None, steps=None, repeats=None)), warmup=3, steps=15, repeats=2),
+                eager, args.dtype, time_variants, summarise_times)
+            report(model_name, counts, REFERENCE, host)
             results["models"][model_name]["launches"] = counts
+            results["models"][model_name]["host_ms"] = host
         results["checks"].extend(checks)
         del runners, initial, batches
         gc.collect()

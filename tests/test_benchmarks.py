@@ -36,6 +36,10 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
     assert launches["adaptive-1-fused"]["launches"] < launches["adaptive-1"]["launches"]
     assert "operations per step on the CUDA code path" in done.stdout
+    # The host-time proxy: every eager variant timed against GradScaler on the device path.
+    host = results["host_ms"]
+    assert set(host) == {"gradscaler", "dynamic", "adaptive-1", "adaptive-100"} and host["gradscaler"]["ratio"] == 1.0
+    assert all(row["ms_median"] > 0 and row["ratio"] > 0 for row in host.values())
     # The Transformer workload: token ids in, per-token loss, every variant steps it.
     gpt = json.loads(out.read_text())["models"]["gpt"]
     assert gpt["workload"]["input_shape"] == [16] and gpt["timing"]["adaptive-1"]["ratio"] > 0
