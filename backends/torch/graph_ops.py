@@ -1,5 +1,6 @@
 """Reading a captured FX graph: what each node is (Dynamo's example values), which operations only view or cast
-their input, which ones a scale point can replace, and the rewrite of in-place updates out of place.
+their input, which ones a scale point can replace, which nodes are the model's parameters and buffers and what
+scale points are called, and the rewrite of in-place updates out of place.
 
 Used by ``graph_transform.py``; nothing here inserts points.
 """
@@ -11,13 +12,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
 from adaloss_cli.errors import UserError
 
 from .points import ConvPoint, LinearPoint, MatmulPoint
 
-__all__ = ["NORMS", "TransformError", "carries_grad", "example", "functionalize", "is_view", "match_scale_point"]
+__all__ = ["NORMS", "TransformError", "buffer_nodes", "carries_grad", "example", "functionalize", "is_view",
+           "match_scale_point", "namer", "parameter_derived", "parameter_nodes", "refuse_opaque_subgraphs"]
 
 
 class TransformError(UserError):
@@ -211,3 +213,77 @@ def _explicit_padding(padding: Any, shape: Any, dilation: Any, stride: Any, dims
     return tuple(padding) if isinstance(padding, (tuple, list)) else (int(padding),) * dims
 
 
+# -- parameters, buffers and names of a captured graph ---------------------------------------------------------------------------------------------
+
+def parameter_nodes(gm: fx.GraphModule, examples: list, names: dict[int, str]) -> dict[fx.Node, str]:
+    """Placeholders (and get_attr nodes) that are parameters of the model, with their qualified names."""
+    found: dict[fx.Node, str] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, examples):
+        if isinstance(value, nn.Parameter) and id(value) in names:
+            found[node] = names[id(value)]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if isinstance(value, nn.Parameter) and id(value) in names:
+                found[node] = names[id(value)]
+    return found
+
+
+def buffer_nodes(gm: fx.GraphModule, examples: list, buffers: set[int]) -> set[fx.Node]:
+    """Placeholders that are buffers of the model (never cast, never scaled)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {node for node, example in zip(placeholders, examples) if id(example) in buffers}
+
+
+def _attribute(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def refuse_opaque_subgraphs(graph: fx.Graph) -> None:
+    """A TransformError naming any subgraph torch.compile keeps opaque that gradients flow through."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) \
+                and any(carries_grad(a) for a in node.all_input_nodes):
+            raise TransformError(
+                f"the model's forward contains {node.target.name()!r}, a region torch.compile keeps as a subgraph "
+                "(activation checkpointing, an autocast region inside forward, a cond/scan): adaptive scaling "
+                "cannot route gradient scales through it. Remove it from the forward you train with adaptive "
+                "scaling (e.g. disable activation checkpointing), or use the dynamic method")
+
+
+def parameter_derived(graph: fx.Graph, params: set[fx.Node]) -> set[fx.Node]:
+    """Parameters and what only reshapes, slices or casts them (including the items of a split parameter)."""
+    derived = set(params)
+    for node in graph.nodes:
+        if is_view(node) and node.args and node.args[0] in derived and not any(
+                carries_grad(a) for a in node.all_input_nodes if a not in derived):
+            derived.add(node)
+    return derived
+
+
+def namer(params: dict[fx.Node, str]):
+    """Names for scale points: the module that made the call when it owns the weight, else the parameter's name."""
+    def name_of(node: fx.Node, weight: fx.Node) -> str:
+        root = weight
+        while root not in params and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        param_name = params.get(root, root.name)
+        stack = node.meta.get("nn_module_stack") or {}
+        path = _module_path(list(stack.values())[-1][0]) if stack else ""
+        if path and not param_name.startswith(path + "."):
+            return path  # a module using another's parameter (a tied head): named after the caller
+        for suffix in (".weight", "_weight", ".bias", "_bias"):
+            if param_name.endswith(suffix):
+                return param_name[:-len(suffix)]
+        return param_name
+    return name_of
+
+
+def _module_path(dynamo_path: str) -> str:
+    """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule)."""
+    _, _, rest = dynamo_path.partition("].")
+    return rest if "]" in dynamo_path else dynamo_path

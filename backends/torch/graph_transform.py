@@ -27,8 +27,8 @@ from typing import Any, Iterable
 import torch
 from torch import fx, nn
 
-from .graph_ops import (NORMS, TransformError, carries_grad, example, functionalize, is_view,
-                        match_scale_point)
+from .graph_ops import (NORMS, TransformError, buffer_nodes, carries_grad, example, functionalize,
+                        match_scale_point, namer, parameter_derived, parameter_nodes, refuse_opaque_subgraphs)
 from .points import ScalePoint
 from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse
 from .scale_state import GraphPlan, ScaleState
@@ -71,19 +71,19 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     """Rewrite ``gm`` in place (see the module docstring) and return it. ``names`` maps id(parameter) to its
     qualified name in the model; ``buffers`` holds the ids of the model's buffers (never cast, never scaled)."""
     graph = gm.graph
-    params = _parameter_nodes(gm, list(example_inputs), names)
-    buffer_nodes = _buffer_nodes(gm, list(example_inputs), buffers)
-    _refuse_opaque_subgraphs(graph)
+    params = parameter_nodes(gm, list(example_inputs), names)
+    buffer_set = buffer_nodes(gm, list(example_inputs), buffers)
+    refuse_opaque_subgraphs(graph)
     functionalize(graph)
-    derived = _parameter_derived(graph, set(params))
+    derived = parameter_derived(graph, set(params))
     adaloss = AdalossGraph(state)
     gm.adaloss = adaloss
     begin = _insert_begin(gm, adaloss, state)
-    points = _insert_scale_points(gm, adaloss, derived, names_of=_namer(params))
+    points = _insert_scale_points(gm, adaloss, derived, names_of=namer(params))
     uses = _insert_parameter_uses(gm, adaloss, derived, params, points)
     outputs = _insert_output_points(gm, adaloss, begin)
     outputs.update(_insert_widening_points(gm, adaloss, begin, derived))
-    inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_nodes)
+    inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_set)
     branches = _insert_joins_and_branches(gm, adaloss, begin, derived, state)
     slot = _assign_slots(graph, adaloss, points, branches, outputs)
     for user, use in uses.items():
@@ -106,80 +106,6 @@ def _call_points_directly(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith("adaloss."):
             node.op, node.target = "call_function", gm.get_submodule(node.target).forward
-
-
-# -- reading the graph ---------------------------------------------------------------------------------------------
-
-def _parameter_nodes(gm: fx.GraphModule, examples: list, names: dict[int, str]) -> dict[fx.Node, str]:
-    """Placeholders (and get_attr nodes) that are parameters of the model, with their qualified names."""
-    found: dict[fx.Node, str] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, examples):
-        if isinstance(value, nn.Parameter) and id(value) in names:
-            found[node] = names[id(value)]
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = _attribute(gm, node.target)
-            if isinstance(value, nn.Parameter) and id(value) in names:
-                found[node] = names[id(value)]
-    return found
-
-
-def _buffer_nodes(gm: fx.GraphModule, examples: list, buffers: set[int]) -> set[fx.Node]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {node for node, example in zip(placeholders, examples) if id(example) in buffers}
-
-
-def _attribute(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
-
-
-def _refuse_opaque_subgraphs(graph: fx.Graph) -> None:
-    for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) \
-                and any(carries_grad(a) for a in node.all_input_nodes):
-            raise TransformError(
-                f"the model's forward contains {node.target.name()!r}, a region torch.compile keeps as a subgraph "
-                "(activation checkpointing, an autocast region inside forward, a cond/scan): adaptive scaling "
-                "cannot route gradient scales through it. Remove it from the forward you train with adaptive "
-                "scaling (e.g. disable activation checkpointing), or use the dynamic method")
-
-
-def _parameter_derived(graph: fx.Graph, params: set[fx.Node]) -> set[fx.Node]:
-    """Parameters and what only reshapes, slices or casts them (including the items of a split parameter)."""
-    derived = set(params)
-    for node in graph.nodes:
-        if is_view(node) and node.args and node.args[0] in derived and not any(
-                carries_grad(a) for a in node.all_input_nodes if a not in derived):
-            derived.add(node)
-    return derived
-
-
-def _namer(params: dict[fx.Node, str]):
-    """Names for scale points: the module that made the call when it owns the weight, else the parameter's name."""
-    def name_of(node: fx.Node, weight: fx.Node) -> str:
-        root = weight
-        while root not in params and root.args and isinstance(root.args[0], fx.Node):
-            root = root.args[0]
-        param_name = params.get(root, root.name)
-        stack = node.meta.get("nn_module_stack") or {}
-        path = _module_path(list(stack.values())[-1][0]) if stack else ""
-        if path and not param_name.startswith(path + "."):
-            return path  # a module using another's parameter (a tied head): named after the caller
-        for suffix in (".weight", "_weight", ".bias", "_bias"):
-            if param_name.endswith(suffix):
-                return param_name[:-len(suffix)]
-        return param_name
-    return name_of
-
-
-def _module_path(dynamo_path: str) -> str:
-    """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule)."""
-    _, _, rest = dynamo_path.partition("].")
-    return rest if "]" in dynamo_path else dynamo_path
 
 
 # -- inserting points ----------------------------------------------------------------------------------------------
