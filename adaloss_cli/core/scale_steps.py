@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .adaptive import (MAX_ACCUMULATED_SCALE, Peak, _bound, _branch_common_scale, _floor_power_of_two,
-                       _statistics_of, _unbound_factor)
+from .adaptive import (MAX_ACCUMULATED_SCALE, Peak, _bound, _floor_power_of_two, _statistics_of,
+                       _unbound_factor)
+from .branches import _branch_common_scale
 from .range_bounds import _output_factor, _weight_gradient_bound, abs_sum_max
 
 _SCALAR_TYPES = (int, float, np.generic)
