@@ -260,7 +260,7 @@ def plot_underflow(groups: Sequence[Group], path: Path, title: str) -> Path | No
     ticks = [0.0] + [10.0 ** k for k in range(-5, top_decade + 1)]
     bar = figure.colorbar(image, ax=ax, shrink=0.9, ticks=ticks)
     bar.ax.set_yticklabels(["0"] + [f"1e{k}" for k in range(-5, top_decade + 1)])
-    bar.set_label("underflow fraction (log scale above 1e-5)")
+    bar.set_label("underflow fraction\n(log scale above 1e-5)", fontsize="small")  # fits a two-row map
     seeds = " and seeds" if any(len(g.runs) > 1 for g in groups) else ""
     ax.set_title(f"Share of gradient values lost to underflow (mean over recorded steps{seeds})",
                  fontsize="medium")
