@@ -48,12 +48,13 @@ def signals_held() -> Iterator[None]:
     """Within the block, SIGINT and SIGTERM are held: noted, and delivered again to the handlers that were in place
     when it ends. For importing a framework: torch's C initialisation imports NumPy and runs Python code whose
     exceptions it clears, a ``KeyboardInterrupt`` included, so a Ctrl-C while torch loads was lost and training
-    started anyway (1 to 4 presses in 40 on a 2-core machine). Main thread only; elsewhere nothing changes."""
+    started anyway (1 to 4 presses in 40 on a 2-core machine). A signal the process ignores (a job started in the
+    background by a shell ignores SIGINT) stays ignored. Main thread only; elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
-    caught = (signal.SIGINT, signal.SIGTERM)
+    caught = [signum for signum in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signum) is not signal.SIG_IGN]
     previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in caught}
     try:
         yield

@@ -257,16 +257,26 @@ def test_a_signal_while_a_framework_loads_is_raised_after_the_load(signum):
     from adaloss_cli.signals import Terminated, signals_held, sigterm_raises
 
     finished = False
-    with sigterm_raises(), pytest.raises(KeyboardInterrupt) as raised:
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell's background job ignores SIGINT).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigterm_raises(), pytest.raises(KeyboardInterrupt) as raised:
+            with signals_held():
+                signal.raise_signal(signum)
+                try:  # what the C initialisation does with an exception
+                    time.sleep(0.01)
+                except BaseException:
+                    pytest.fail("the signal was delivered inside the block")
+                finished = True
+        assert finished and isinstance(raised.value, Terminated) == (signum == signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # An ignored signal stays ignored: held or not, it never interrupts.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with signals_held():
-            signal.raise_signal(signum)
-            try:  # what the C initialisation does with an exception
-                time.sleep(0.01)
-            except BaseException:
-                pytest.fail("the signal was delivered inside the block")
-            finished = True
-    assert finished and isinstance(raised.value, Terminated) == (signum == signal.SIGTERM)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")

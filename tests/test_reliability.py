@@ -42,10 +42,16 @@ def resumable_config(tmp_path: Path, method: str, iterations: int = 30, backend:
 
 
 def adaloss(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    """Start `python -m adaloss_cli ARGS` (a real process, so it can be killed)."""
+    """Start `python -m adaloss_cli ARGS` (a real process, so it can be killed), with SIGINT at its default as in
+    a terminal: a suite run as a shell's background job ignores SIGINT, and its children would inherit that."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    kwargs.setdefault("preexec_fn", _default_sigint)
     return subprocess.Popen([sys.executable, "-m", "adaloss_cli", *args], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 60) -> None:
