@@ -92,20 +92,19 @@ def _cpu_only(event: Any) -> bool:
 
 
 def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
-    """Per variant (plus the fused adaptive-1), the counts of one step after three warm-up steps."""
+    """Per eager variant (plus the fused adaptive-1), the counts of one step after three warm-up steps. (A captured
+    step is one graph launch: the graph variants are counted on a GPU only.)"""
     import torch
     from torch._inductor import metrics
 
     from adaloss_cli.core.array_ops import device_scalars
     from benchmarks.workloads import Runner, build_initial
 
-    from benchmarks.workloads import GRAPH_VARIANTS
-
     initial, batches = build_initial(work, "cpu")
     results = {}
     graphs = torch._dynamo.utils.counters["stats"]
-    with device_scalars():  # (a captured step is one graph launch: the graph variants are counted on a GPU only)
-        for name in [v for v in variants if v not in GRAPH_VARIANTS] + [FUSED]:
+    with device_scalars():
+        for name in list(variants) + [FUSED]:
             runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu")
             runner.step(*batches[0])  # the model's own capture, before anything is counted
             if name == FUSED:

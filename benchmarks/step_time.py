@@ -392,9 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             counts = count_variants(work, eager, args.dtype)
             host = None
             if kind != "cuda":  # (on a GPU the eager ratios themselves are measured; its time is scarce)
-                host = host_times(replace(workload_for(model_name, "cpu", True, argparse.Namespace(
-                    batch_size=None, warmup=None, steps=None, repeats=None)), warmup=3, steps=15, repeats=2),
-                    eager, args.dtype, time_variants, summarise_times)
+                tiny = replace(workload_for(model_name, "cpu", True), warmup=3, steps=15, repeats=2)
+                host = host_times(tiny, eager, args.dtype, time_variants, summarise_times)
                 results["models"][model_name]["host_ms"] = host
             report(model_name, counts, REFERENCE, host)
             results["models"][model_name]["launches"] = counts

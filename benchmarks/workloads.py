@@ -69,12 +69,12 @@ _DEFAULTS: dict[tuple[str, str], dict[str, Workload]] = {
 _DEFAULTS[("cuda", "quick")] = _DEFAULTS[("cpu", "quick")]
 
 
-def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace) -> Workload:
-    """The default workload of ``model`` on ``device``, with the command line's overrides applied."""
+def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace | None = None) -> Workload:
+    """The default workload of ``model`` on ``device``, with the command line's overrides (``args``) applied."""
     table = _DEFAULTS[(device, "quick" if quick else "default")]
     base = table.get(model) or replace(table["resnet20"], model=model, width=None)
     overrides = {key: getattr(args, key) for key in ("batch_size", "warmup", "steps", "repeats")
-                 if getattr(args, key) is not None}
+                 if args is not None and getattr(args, key) is not None}
     return replace(base, **overrides)
 
 
