@@ -17,6 +17,10 @@ What is compared, per model, on ONE set of seeded initial weights and the same s
   captured in a CUDA graph (``GraphedStep``, fused SGD, the overflow skip applied on the device); their one host read
   per step brings the loss along. ``dynamic-graph`` is what GradScaler-style scaling gains from graphs alone, so
   ``adaptive-1-graph`` against it shows what the per-layer logic costs on the device.
+- ``gradscaler-compiled``, ``adaptive-100-compiled`` (default on CUDA, asked for on CPU): GradScaler on the model
+  compiled by Inductor (``model.compile()``), and ``LossScaler(..., compile=True)``, whose steps between refreshes run
+  compiled while refresh steps stay eager (amortised with ``adaptive-1``'s ratio). The compiled adaptive steps are
+  checked against both references: eager GradScaler, and GradScaler on the same compiled model.
 
 Every variant runs the training step of the torch backend (``backends/torch/adapter.py``): float32 master weights,
 forward in the compute dtype through ``MixedPrecisionForward`` (parameters cast differentiably, float32 logits),
@@ -57,11 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory
-from benchmarks.workloads import (GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload, build_initial,
-                                  refresh_period, synchronizer, workload_for)
+from benchmarks.workloads import (COMPILED_REFERENCE, COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner,
+                                  Workload, build_initial, refresh_period, synchronizer, workload_for)
 
 # The issue's goals: (variant, quantity, limit).
-TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03, "adaptive-1-graph": 1.10, "adaptive-100-graph": 1.03}
+TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03, "adaptive-1-graph": 1.10, "adaptive-100-graph": 1.03,
+              "adaptive-100-compiled": 1.03}
 #: Beyond GradScaler: on the launch-bound ResNet-20, adaptive with CUDA graphs must beat eager GradScaler.
 FASTER_THAN_REFERENCE = {("resnet20", "adaptive-1-graph"): 1.0}
 MEMORY_GOAL = 1.05
@@ -136,6 +141,8 @@ def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, 
     for name, row in out.items():
         n = refresh_period(name)
         every = out.get(name.replace(f"adaptive-{n}", "adaptive-1")) if n else None
+        if every is None and n and name in COMPILED_VARIANTS:  # its refresh steps run eagerly
+            every = out.get("adaptive-1")
         if n and n > 1 and every is not None:
             row["ms_amortised"] = med[name] + (every["ms_median"] - med[name]) / n
             if "ratio" in row:
@@ -177,7 +184,7 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
           f"warmup {work.warmup}), interleaved")
     ref_mem = memory.get(REFERENCE, {}).get(TENSORS, {}).get("peak_bytes")
     ref_rss = memory.get(REFERENCE, {}).get(RSS, {}).get("peak_bytes")
-    header = (f"{'variant':<14}{'ms/step':>10}{'ratio':>8}{'repeat range':>16}{'peak MB':>10}{'mem ratio':>11}"
+    header = (f"{'variant':<22}{'ms/step':>10}{'ratio':>8}{'repeat range':>16}{'peak MB':>10}{'mem ratio':>11}"
               f"{'RSS MB':>9}{'RSS ratio':>11}  notes")
     print(header)
     print("-" * len(header))
@@ -198,10 +205,12 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
         info = runs.get(name, {})
         if not name.startswith("adaptive-"):
             notes.append(f"final scale {info.get('final_scale', float('nan')):g}")
+        if "compiled_steps" in info:
+            notes.append(f"{info['compiled_steps']} steps compiled")
         if info.get("skipped_steps"):
             notes.append(f"{info['skipped_steps']} skipped steps")
         notes += [f"{measure} probe failed: {probe['error']}" for measure, probe in mem.items() if "error" in probe]
-        print(f"{name:<14}{_fmt(row['ms_median'], '.2f', 10)}{_fmt(row.get('ratio'), '.3f', 8)}{spread:>16}"
+        print(f"{name:<22}{_fmt(row['ms_median'], '.2f', 10)}{_fmt(row.get('ratio'), '.3f', 8)}{spread:>16}"
               f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}"
               f"{_fmt(row.get('rss_mb'), '.2f', 9)}{_fmt(rss_ratio, '.3f', 11)}  {'; '.join(notes)}")
     checks = []
@@ -213,6 +222,16 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
         value = row["ratio_amortised"] if amortised else row["ratio"]
         label = f"{name}/{REFERENCE} step time" + (" (amortised)" if amortised else "")
         checks.append({"model": work.model, "goal": label, "value": value, "limit": limit})
+    compiled_reference = timing.get(COMPILED_REFERENCE)
+    for name in COMPILED_VARIANTS:
+        row = timing.get(name)
+        if name == COMPILED_REFERENCE or row is None or compiled_reference is None or "ratio" not in row:
+            continue
+        # Against GradScaler on the same compiled model: what the scale logic costs where both are compiled.
+        value = row.get("ratio_amortised", row["ratio"]) / compiled_reference["ratio"]
+        checks.append({"model": work.model, "goal": f"{name}/{COMPILED_REFERENCE} step time"
+                       + (" (amortised)" if "ratio_amortised" in row else ""), "value": value,
+                       "limit": TIME_GOALS[name]})
     for (model, name), limit in FASTER_THAN_REFERENCE.items():
         row = timing.get(name)
         if model == work.model and row is not None and "ratio" in row:
@@ -281,7 +300,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "character model at 256 tokens)")
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                         help="variants (gradscaler, the reference, is always included); default: all on cuda, all "
-                             "but the CUDA-graph ones (*-graph: the whole step in a CUDA graph) on cpu")
+                             "but the CUDA-graph ones (*-graph: the whole step in a CUDA graph) and the compiled "
+                             "ones (*-compiled: the model compiled by Inductor, for adaptive the steps between "
+                             "refreshes; each compiles for seconds to minutes first) on cpu")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="compute dtype under test (default float16; fp32 master weights either way)")
@@ -331,7 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cpu" and graphs:
         parser.error(f"--variants {' '.join(graphs)}: CUDA graphs need --device cuda")
     if args.variants is None:
-        args.variants = [v for v in VARIANTS if args.device != "cpu" or v not in GRAPH_VARIANTS]
+        args.variants = [v for v in VARIANTS
+                         if args.device != "cpu" or v not in GRAPH_VARIANTS + COMPILED_VARIANTS]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE] + list(args.variants)
     args.variants = [v for v in VARIANTS if v in args.variants]
@@ -365,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     probes = {(model, variant, measure): {"workload": asdict(work), "variant": variant, "device": args.device,
                                           "dtype": args.dtype, "threads": args.threads, "measure": measure,
                                           "prewarm": not args.memory_cold, "fused": args.fused}
-              for model, work in works.items() for variant in args.variants for measure in measures}
+              for model, work in works.items() for variant in args.variants for measure in measures
+              if variant not in COMPILED_VARIANTS}  # (each probe process would compile again; not a goal)
     memory_all = {} if args.no_memory else measure_memory(probes, jobs)
     for model_name, work in works.items():
         memory: dict[str, dict[str, Any]] = {}
@@ -388,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 kernels = count_cuda_kernels(runners, batches)
                 report_cuda(model_name, kernels)
                 results["models"][model_name]["cuda_kernels"] = kernels
-            eager = [name for name in args.variants if name not in GRAPH_VARIANTS]
+            eager = [name for name in args.variants if name not in GRAPH_VARIANTS + COMPILED_VARIANTS]
             counts = count_variants(work, eager, args.dtype)
             host = None
             if kind != "cuda":  # (on a GPU the eager ratios themselves are measured; its time is scarce)

@@ -12,14 +12,20 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100",
-            "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph")
+            "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
+            "gradscaler-compiled", "adaptive-100-compiled")
 #: The variants that capture the whole step in a CUDA graph (``GraphedStep``, fused SGD): CUDA only.
 GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
+#: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
+#: ``LossScaler(compile=True)`` (the steps between refreshes compiled) for adaptive.
+COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-compiled"))
 REFERENCE = "gradscaler"
+#: The reference of the compiled variants: GradScaler on the same model compiled by Inductor.
+COMPILED_REFERENCE = "gradscaler-compiled"
 
 
 def refresh_period(variant: str) -> int | None:
-    """N of an ``adaptive-N`` or ``adaptive-N-graph`` variant (None for the others)."""
+    """N of an ``adaptive-N``, ``adaptive-N-graph`` or ``adaptive-N-compiled`` variant (None for the others)."""
     parts = variant.split("-")
     return int(parts[1]) if parts[0] == "adaptive" else None
 NUM_CLASSES = 10
@@ -89,13 +95,16 @@ class Runner:
 
         self.variant = variant
         self.model = copy.deepcopy(initial)  # transformed in place by adaptive
-        if variant == "gradscaler":
+        compiled = variant in COMPILED_VARIANTS
+        if variant.startswith("gradscaler"):
             self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
+            if compiled:
+                self.model.compile()
         elif variant.startswith("dynamic"):
             self.scaler = LossScaler(self.model, "dynamic")
         elif variant.startswith("adaptive-"):
             self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=refresh_period(variant),
-                                     fused=fused)
+                                     fused=fused, compile=compiled)
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()
@@ -131,6 +140,9 @@ class Runner:
         policy = getattr(self.scaler, "policy", None)
         if policy is not None:
             info["skipped_steps"] = int(policy.skipped_steps)
+        state = getattr(self.scaler, "state", None)
+        if state is not None and state.compile_reuse:  # 0 would mean every step ran eagerly (a compiler failure)
+            info["compiled_steps"] = state.compiled_steps
         return info
 
 

@@ -46,6 +46,22 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     assert gpt["launches"]["adaptive-1"]["host_reads"] == 1
 
 
+def test_compiled_variants_are_checked_against_both_gradscalers(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_benchmarks("--quick", "--no-memory", "--models", "mlp", "--warmup", "3", "--variants", "adaptive-1",
+                          "gradscaler-compiled", "adaptive-100-compiled", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    timing = json.loads(out.read_text())["models"]["mlp"]["timing"]
+    assert set(timing) == {"gradscaler", "adaptive-1", "gradscaler-compiled", "adaptive-100-compiled"}
+    # Its refresh steps run eagerly: amortised with adaptive-1's ratio.
+    assert json.loads(out.read_text())["models"]["mlp"]["runs"]["adaptive-100-compiled"]["compiled_steps"] > 0
+    row = timing["adaptive-100-compiled"]
+    assert row["ratio_amortised"] == pytest.approx(row["ratio"] + (timing["adaptive-1"]["ratio"] - row["ratio"]) / 100)
+    for reference in ("gradscaler", "gradscaler-compiled"):
+        assert re.search(rf"^(PASS|MISS)  mlp: adaptive-100-compiled/{reference} step time \(amortised\) = [\d.]+",
+                         done.stdout, re.M), done.stdout
+
+
 def test_chainer_benchmark_runs_through_the_same_command():
     from adaloss_cli.backends.chainer import _compat
     try:

@@ -154,6 +154,18 @@ def _cuda_graphs_supported(values: Values, collector: ProblemCollector) -> None:
                                               "is one micro-batch (set grad_accum_steps: 1, or cuda_graphs: false)")
 
 
+def _compile_supported(values: Values, collector: ProblemCollector) -> None:
+    if values.get("training.compile") is not True:
+        return
+    if values.get("backend") == "chainer":
+        collector.add("training.compile", "got true with backend chainer; torch.compile is PyTorch only (use "
+                                          "backend: torch, or compile: false)")
+    if values.get("training.cuda_graphs") is True:
+        collector.add("training.compile", "got true with cuda_graphs true; choose one: a CUDA graph replays the "
+                                          "eager step without Python already (set compile: false or "
+                                          "cuda_graphs: false)")
+
+
 def _heads_divide_width(values: Values, collector: ProblemCollector) -> None:
     heads, width = values.get("model.heads"), values.get("model.width")
     if values.get("model.name") in TRANSFORMERS and heads and width and width % heads:
@@ -196,6 +208,7 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _model_matches_data,
     _chainer_builds_no_transformers,
     _cuda_graphs_supported,
+    _compile_supported,
     _heads_divide_width,
     _patches_tile_the_image,
     _ordered("loss_scaling.dynamic.min_scale", "loss_scaling.dynamic.max_scale", strict=False),

@@ -148,6 +148,10 @@ class TrainingConfig:
                                "logic, unscale, optimizer step with the overflow skip on the device) in a CUDA "
                                "graph and replay it, so the host launches one graph instead of thousands of kernels. "
                                "The optimizer runs fused; one process, grad_accum_steps 1.")
+    compile: bool = option(False, "PyTorch: run the model compiled by torch.compile (Inductor). With adaptive "
+                           "scaling the steps between refreshes (update_per_n_iteration > 1) run as one compiled "
+                           "forward and backward and refresh steps stay eager; other methods compile the model. Each "
+                           "input shape compiles once, at its first such step (seconds to minutes).")
     max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
                                             "loss is NaN or infinite.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")

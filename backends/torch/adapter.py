@@ -64,7 +64,7 @@ class TorchBackend(Backend):
         torch.manual_seed(config.run.seed)
         model = build_model(config.model, tuple(input_shape), num_classes).to(device)
         distributed = world_size() > 1
-        self.scaler = LossScaler(model, config=config.loss_scaling,
+        self.scaler = LossScaler(model, config=config.loss_scaling, compile=config.training.compile,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
         adaptive = config.loss_scaling.method == "adaptive"

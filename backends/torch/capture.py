@@ -55,7 +55,12 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
         first = next(model.parameters(), None)
         if first is not None:
             state.to(first.device)
-        return transform_graph(gm, example_inputs, state, names, buffers).forward
+        transformed = transform_graph(gm, example_inputs, state, names, buffers)
+        if state.compile_reuse:
+            from .compiled_reuse import CompiledReuse  # imports Inductor's machinery only when asked for
+
+            return CompiledReuse(transformed, state)
+        return transformed.forward
 
     def run(*args: Any, **kwargs: Any) -> Any:
         # A frame of ours for Dynamo to start from: it inlines the module call from here, also for torch.nn's own
@@ -63,7 +68,10 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
         return model._call_impl(*args, **kwargs)
 
     _raise_recompile_limit()
-    function = torch.compile(_own_code(run), backend=backend, fullgraph=True)
+    # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code would
+    # need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed batches.
+    function = torch.compile(_own_code(run), backend=backend, fullgraph=True,
+                             dynamic=False if state.compile_reuse else None)
     label = type(model).__name__
 
     @functools.wraps(model._call_impl)

@@ -34,7 +34,7 @@ from adaloss_cli.core.scale_steps import branch_scale_step, output_scale_step
 
 from .scale_state import Execution, GraphPlan, ScaleState
 
-__all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "multiply"]
+__all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "compute_dtype", "multiply"]
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -126,15 +126,21 @@ class Begin(nn.Module):
         object.__setattr__(self, "plan", plan)
 
     def forward(self) -> Execution:
-        state = self.state
-        execution = state.begin(self.plan)
+        execution = self.state.begin(self.plan)
         if not execution.reference_pass:
-            device_type = state.device.type
-            if torch.is_autocast_enabled(device_type):
-                execution.compute_dtype = torch.get_autocast_dtype(device_type)
-            elif state.pure_dtype is not None:
-                execution.compute_dtype, execution.pure = state.pure_dtype, True
+            execution.compute_dtype, execution.pure = compute_dtype(self.state)
         return execution
+
+
+def compute_dtype(state: ScaleState) -> tuple[torch.dtype | None, bool]:
+    """(the low-precision dtype scale points compute in, whether it is the pure mode): autocast's dtype when autocast
+    is on for the state's device, else the scaler's pure dtype (casts inside the graph), else (None, False)."""
+    device_type = state.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type), False
+    if state.pure_dtype is not None:
+        return state.pure_dtype, True
+    return None, False
 
 
 class _ParamUse(torch.autograd.Function):

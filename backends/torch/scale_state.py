@@ -67,6 +67,15 @@ class ScaleState(ScaleSchedule):
     """
 
     def __init__(self, options: AdaptiveOptions | None, init_scale: float, device: torch.device | str) -> None:
+        #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
+        #: steps between refreshes (``compiled_reuse.py``) gather their coefficients again when it moves.
+        self.generation = 0
+        #: Whether steps between refreshes run compiled (``LossScaler(..., compile=True)``).
+        self.compile_reuse = False
+        #: Forward calls that ran a compiled step between refreshes (what tests and the benchmark check), and the
+        #: captured graphs' ``CompiledReuse`` objects.
+        self.compiled_steps = 0
+        self.compiled_graphs: list[Any] = []
         self.init_schedule(options)
         self.device = torch.device(device)
         self.loss_scale = float(init_scale)
@@ -132,6 +141,7 @@ class ScaleState(ScaleSchedule):
         self.arrays = grown
         self._views = {}
         self.layout_generation += 1
+        self.generation += 1
 
     def to(self, device: torch.device | str) -> None:
         """Keep every tensor of the state on ``device``: where the model's parameters are when a graph is captured.
@@ -144,6 +154,7 @@ class ScaleState(ScaleSchedule):
         self.arrays = {name: array.to(device) for name, array in self.arrays.items()}
         self._views = {}
         self.layout_generation += 1
+        self.generation += 1
         self.caches = {name: value.to(device) for name, value in self.caches.items()}
         for plan in self.graphs.values():
             if plan.template is not None:
@@ -235,6 +246,7 @@ class ScaleState(ScaleSchedule):
             for execution in self._active:
                 self._save_template(execution)
             self.host_mirror = self._pending_mirror
+            self.generation += 1
         self._pending_mirror = None
         self._active = []
         super().finish_iteration(retry)
@@ -242,6 +254,7 @@ class ScaleState(ScaleSchedule):
     def mark_stale(self) -> None:
         """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
         super().mark_stale()
+        self.generation = getattr(self, "generation", 0) + 1
         self.host_mirror = self._pending_mirror = None
         if not getattr(self, "keep_templates", False):
             for plan in getattr(self, "graphs", {}).values():

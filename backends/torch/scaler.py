@@ -75,6 +75,10 @@ class LossScaler:
         fused: adaptive only: run each layer's refresh (statistics and factor math) as one torch.compile'd
             function, a few fused kernels instead of dozens of tiny ones (see ``ScaleState.use_fused_refresh``
             for why it is off by default). On CPU the factor math runs on host scalars either way.
+        compile: run the model compiled by torch.compile's Inductor. Adaptive: its steps between refreshes
+            (``update_per_n_iteration`` > 1) run as one compiled forward and backward, with no Python per layer;
+            refresh steps stay eager (see ``compiled_reuse.py``). Other methods: ``model.compile()``. Each input
+            shape compiles once, at its first (adaptive: first between-refresh) step: seconds to minutes.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -83,7 +87,7 @@ class LossScaler:
     """
 
     def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 enabled: bool = True, process_group: Any = None, fused: bool = False,
+                 enabled: bool = True, process_group: Any = None, fused: bool = False, compile: bool = False,
                  **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
@@ -99,7 +103,10 @@ class LossScaler:
             device = _device_of(model)
             self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale, device)
             self.state.use_fused_refresh(fused)
+            self.state.compile_reuse = bool(compile)
             install(model, self.state)
+        elif compile:
+            model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay
         self._found_inf: torch.Tensor | None = None
         self._model_ids: frozenset[int] | None = None
         self._attempt = 0

@@ -1,0 +1,313 @@
+"""Steps between refreshes compiled whole: ``LossScaler(model, "adaptive", compile=True)``.
+
+Between refreshes every factor and every accumulated scale is what the last full backward left
+(``adaloss_cli.core.scale_schedule``): the inserted points only multiply by stored numbers, so a step's scale logic
+is a fixed function of a few float32 values. For each captured graph this module builds a second version of the
+transformed graph whose points read those values from one vector input, the *coefficients*, with backward formulas
+that are plain tensor arithmetic, and compiles it with Inductor (``torch.compile``'s default compiler): forward and
+backward become generated code with no Python per layer, where an eager step runs every point's backward in Python,
+which is what bounds it on a GPU (DESIGN.md 6). The coefficients are gathered from the scale state once per refresh
+period (a handful of kernels), so values changing at a refresh never recompile anything.
+
+Each static point computes exactly what its eager counterpart computes on a reuse step (the same products in float32,
+rounded once to the gradient's dtype; parameter gradients divided in float32), so compiled and eager steps agree up to
+Inductor's own reduction order. Refresh steps, steps that only recompute bounds, recorded steps and the float32
+reference pass run the eager graph, which keeps the state's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .points import ScalePoint, _cast, _no_autocast
+from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, compute_dtype
+from .scale_state import GraphPlan, ScaleState
+
+__all__ = ["CompiledReuse"]
+
+#: Where a coefficient's numerator or denominator comes from: a per-point array of the state and an index, the
+#: graph's scale table (template) and a slot, an output/branch cache by name, or the constant 1.
+Source = tuple[str, Any]
+_ONE: Source = ("one", 0)
+
+
+class _Layout:
+    """The coefficients of one static graph: each is numerator / denominator, both read from the scale state."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Source, Source]] = []
+        self._index: tuple[tuple, torch.Tensor] | None = None
+
+    def add(self, numerator: Source, denominator: Source = _ONE) -> int:
+        self.pairs.append((numerator, denominator))
+        return len(self.pairs) - 1
+
+    def gather(self, state: ScaleState, plan: GraphPlan) -> torch.Tensor:
+        """The current coefficients as one float32 vector on the state's device (divided in float32, as the eager
+        steps divide a cache by a table entry): one concatenation, one gather and one division, with no host
+        transfer once the gather's index is on the device."""
+        names = sorted({key for pair in self.pairs for kind, key in pair if kind == "cache"})
+        arrays = {"factor": state.arrays["factor"], "weight_factor": state.arrays["weight_factor"],
+                  "weight_scale": state.arrays["weight_scale"], "table": plan.template.reshape(-1),
+                  "one": torch.ones(1, device=state.device)}
+        parts = [*arrays.values(), *(state.cache(name).reshape(1) for name in names)]
+        flat = torch.cat([part.to(torch.float32) for part in parts])
+        return self._values(flat, [(kind, part.numel()) for kind, part in arrays.items()], names)
+
+    def _values(self, flat: torch.Tensor, sizes: list[tuple[str, int]], names: list[str]) -> torch.Tensor:
+        key = (tuple(sizes), tuple(names), flat.device)
+        if self._index is None or self._index[0] != key:  # the arrays grew (a new graph's points), or moved
+            offsets, start = {}, 0
+            for kind, size in sizes:
+                offsets[kind], start = start, start + size
+            cache_offsets = {name: start + i for i, name in enumerate(names)}
+
+            def position(source: Source) -> int:
+                kind, at = source
+                return cache_offsets[at] if kind == "cache" else offsets[kind] + at
+
+            index = torch.tensor([[position(n) for n, _ in self.pairs], [position(d) for _, d in self.pairs]])
+            self._index = (key, index.to(flat.device))
+        values = flat[self._index[1]]
+        return values[0] / values[1]
+
+
+def _times(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """g times a 0-d float32 coefficient, in float32, rounded once to g's dtype (what an eager step's host factor
+    does; never the coefficient cast to fp16, where 2**16 is inf)."""
+    if g.dtype == torch.float64:
+        return g * c.double()
+    return (g.float() * c).to(g.dtype)
+
+
+def _divided(g: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """g / c in float32 (float64 stays float64), returned in ``dtype``: a parameter gradient leaving backward."""
+    quotient = g / c.double() if g.dtype == torch.float64 else g.float() / c
+    return quotient.to(dtype)
+
+
+class _StaticPoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: ScalePoint, at: int, dtype: torch.dtype | None, c: torch.Tensor, x: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        with _no_autocast(x.device.type):
+            y = point.compute(xc, wc, bc)
+        ctx.save_for_backward(c, xc, wc)
+        ctx.point, ctx.at = point, at
+        ctx.shapes = (x.shape, weight.shape)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        c, xc, wc = ctx.saved_tensors
+        point, at = ctx.point, ctx.at
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[4:7]
+        x_shape, w_shape = ctx.shapes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        gx = gw = gb = None
+        with _no_autocast(gy.device.type):
+            if needs_x:
+                gx = point.input_grad(_times(gy, c[at]), xc, x_shape, wc).to(x_dtype)
+            if needs_w:
+                gw = point.weight_grad(_times(gy, c[at + 1]), xc, w_shape, wc)
+                gw = _divided(gw, c[at + 2], w_dtype)
+            if needs_b:
+                accumulation = torch.promote_types(gy.dtype, torch.float32)
+                gb = _divided(point.bias_grad(gy, accumulation), c[at + 3], b_dtype)
+        return None, None, None, None, gx, gw, gb
+
+
+class _StaticParamUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, at: int, cast: torch.dtype | None, c: torch.Tensor, *ps: torch.Tensor) -> tuple:
+        ctx.save_for_backward(c)
+        ctx.at, ctx.dtypes = at, [p.dtype for p in ps]
+        ctx.set_materialize_grads(False)
+        return tuple(p.to(cast) if cast is not None and p.is_floating_point() and p.dtype != cast else p.view_as(p)
+                     for p in ps)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        (c,) = ctx.saved_tensors
+        scale = c[ctx.at]
+        return None, None, None, *(None if g is None else _divided(g, scale, d) for g, d in zip(grads, ctx.dtypes))
+
+
+class _StaticMerge(torch.autograd.Function):
+    """A branch (``summed``: one input, its consumers' gradients summed) or a join (each output's gradient handed
+    back): gradients brought to the common scale by their multipliers, unless only one arrived (eager steps pass a
+    lone gradient through as it is)."""
+
+    @staticmethod
+    def forward(ctx, at: int, copies: int, summed: bool, c: torch.Tensor, *xs: torch.Tensor) -> tuple:
+        ctx.save_for_backward(c)
+        ctx.at, ctx.summed = at, summed
+        ctx.set_materialize_grads(False)
+        if summed:
+            return tuple(xs[0].view_as(xs[0]) for _ in range(copies))
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        (c,) = ctx.saved_tensors
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out = list(grads)
+        if len(present) > 1:
+            for i in present:
+                out[i] = _times(grads[i], c[ctx.at + i])
+        if not ctx.summed:
+            return None, None, None, None, *out
+        if not present:
+            return None, None, None, None, None
+        total = out[present[0]]
+        for i in present[1:]:
+            total = total + out[i]
+        return None, None, None, None, total
+
+
+class _StaticOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, at: int, c: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c)
+        ctx.at, ctx.dtype = at, y.dtype
+        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (c,) = ctx.saved_tensors
+        scaled = g * c[ctx.at].to(g.dtype) if g.dtype == torch.float64 else g.float() * c[ctx.at]
+        return None, None, scaled.to(ctx.dtype)
+
+
+class _StaticInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, at: int, cast: torch.dtype | None, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c)
+        ctx.at, ctx.dtype = at, x.dtype
+        return x.to(cast) if cast is not None and x.is_floating_point() and x.dtype != cast else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (c,) = ctx.saved_tensors
+        return None, None, None, _divided(g, c[ctx.at], ctx.dtype)
+
+
+def _static_call(module: Any, layout: _Layout, dtype: torch.dtype | None, pure: bool) -> Callable[..., Any]:
+    """What replaces an inserted point's node in the static graph: a function of (coefficients, *its inputs)."""
+    if isinstance(module, ScalePoint):
+        at = layout.add(("factor", module.index))
+        layout.add(("weight_factor", module.index))
+        layout.add(("weight_scale", module.index))
+        layout.add(("table", module.out_slot))
+
+        def point(c, x, weight, bias=None):
+            return _StaticPoint.apply(module, at, dtype, c, x, weight, bias)
+        return point
+    if isinstance(module, ParamUse):
+        at = layout.add(("table", module.slot))
+        cast = dtype if (module.castable and pure) else None
+        return lambda c, *ps: _StaticParamUse.apply(at, cast, c, *ps)
+    if isinstance(module, BranchPoint):
+        at = len(layout.pairs)
+        for slot in module.out_slots:
+            layout.add(("cache", module.name), ("table", slot))
+        copies, summed = module.fan_out, not module.join
+        return lambda c, *xs: _StaticMerge.apply(at, copies, summed, c, *xs)
+    if isinstance(module, OutputPoint):
+        at = layout.add(("cache", module.name))
+        return lambda c, y: _StaticOutput.apply(at, c, y)
+    if isinstance(module, InputPoint):
+        at = layout.add(("table", module.slot), ("table", 0))
+        cast = dtype if pure else None
+        return lambda c, x: _StaticInput.apply(at, cast, c, x)
+    raise TypeError(f"no static version of {type(module).__name__}")
+
+
+def _inserted(node: fx.Node) -> Any:
+    """The adaloss point a node of the transformed graph calls, or None."""
+    module = getattr(node.target, "__self__", None) if node.op == "call_function" else None
+    return module if isinstance(module, (Begin, ScalePoint, ParamUse, BranchPoint, OutputPoint, InputPoint)) else None
+
+
+def static_graph(gm: fx.GraphModule, dtype: torch.dtype | None, pure: bool) -> tuple[fx.GraphModule, _Layout]:
+    """A copy of the transformed graph ``gm`` whose points read the coefficients (a last input) instead of an
+    execution of the scale state; and its coefficient layout."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    layout = _Layout()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
+        coefficients = graph.placeholder("adaloss_coefficients")
+    for node in list(graph.nodes):
+        module = _inserted(node)
+        if module is None:
+            continue
+        if isinstance(module, Begin):
+            node.replace_all_uses_with(coefficients)
+            graph.erase_node(node)
+        else:
+            node.target = _static_call(module, layout, dtype, pure)
+    for node in graph.nodes:
+        node.meta = {}
+    graph.lint()
+    return fx.GraphModule(gm, graph), layout
+
+
+class CompiledReuse:
+    """What the capture backend returns for one transformed graph with ``compile``: calls the eager graph, except on
+    steps between refreshes, which run the compiled static graph (built and compiled at the first such step, under
+    the autocast state Dynamo guarded this graph on)."""
+
+    def __init__(self, gm: fx.GraphModule, state: ScaleState) -> None:
+        self.gm, self.state = gm, state
+        self.plan: GraphPlan = gm.adaloss.plan
+        self._compiled: Callable[..., Any] | None = None
+        #: The coefficients' layout and their values for the current refresh period (after the first compiled step).
+        self.layout: _Layout | None = None
+        self.coefficients: torch.Tensor | None = None
+        self._generation = -1
+        self._failed = False
+        state.compiled_graphs.append(self)
+
+    def _static_step(self) -> bool:
+        state = self.state
+        return (state.compile_reuse and state.adaptive and state.reuse and self.plan.template is not None
+                and not state.recording and not state.reference_pass and not self._failed
+                and torch.is_grad_enabled())
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._static_step():
+            return self.gm.forward(*args)
+        if self._compiled is None:
+            self._compile(args)
+            if self._compiled is None:
+                return self.gm.forward(*args)
+        state = self.state
+        if self._generation != state.generation:
+            self.coefficients = self.layout.gather(state, self.plan)
+            self._generation = state.generation
+        state.backward_passes += 1  # the compiled backward cannot tell the state; its forward does
+        state.compiled_steps += 1
+        return self._compiled(*args, self.coefficients)
+
+    def _compile(self, args: tuple) -> None:
+        from torch._inductor.compile_fx import compile_fx
+
+        dtype, pure = compute_dtype(self.state)
+        static, layout = static_graph(self.gm, dtype, pure)
+        try:
+            self._compiled = compile_fx(static, [*args, layout.gather(self.state, self.plan)])
+        except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
+            self._failed = True
+            warnings.warn(f"adaloss: compiling the steps between refreshes failed ({type(err).__name__}: "
+                          f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); they run eagerly "
+                          "(correct, slower)", RuntimeWarning, stacklevel=3)
+            return
+        self.layout = layout
+
