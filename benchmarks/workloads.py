@@ -141,7 +141,7 @@ class Runner:
         if policy is not None:
             info["skipped_steps"] = int(policy.skipped_steps)
         state = getattr(self.scaler, "state", None)
-        if state is not None and state.compile_reuse:  # 0 would mean every step ran eagerly (a compiler failure)
+        if state is not None and state.compile_steps:  # 0 would mean every step ran eagerly (a compiler failure)
             info["compiled_steps"] = state.compiled_steps
         return info
 

@@ -24,7 +24,7 @@ import array_api_compat
 import numpy as np
 
 __all__ = ["HOST", "Float32Ops", "HostScalars", "device_scalars", "host_view", "ops_for", "scale_in_float32",
-           "scalars_on_host", "torch_cpu_on_host"]
+           "scalars_on_host", "torch_cpu_on_host", "traced_scalars"]
 
 # The libraries array_api_compat wraps. On arrays of one dtype their maximum/minimum/where are the standard's
 # functions; the compat wrappers add promotion handling that costs several times the op itself on a 0-d array.
@@ -66,6 +66,22 @@ def device_scalars() -> Any:
         yield
     finally:
         _TORCH_CPU_ON_HOST = saved
+
+
+@contextlib.contextmanager
+def traced_scalars() -> Any:
+    """Within the block, the factor math is being traced into a graph (``torch.compile``'s tracers): torch CPU
+    tensors take the device path, as in :func:`device_scalars`, and the namespaces and constants made meanwhile are
+    not kept beyond the block, since a traced constant is a placeholder of that trace, useless (and refused) in any
+    later computation."""
+    global _OPS, _CONSTANTS
+    saved = _OPS, _CONSTANTS
+    _OPS, _CONSTANTS = {}, {}
+    try:
+        with device_scalars():
+            yield
+    finally:
+        _OPS, _CONSTANTS = saved
 
 
 def _native_namespace(xp: Any) -> Any:

@@ -56,10 +56,10 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
         if first is not None:
             state.to(first.device)
         transformed = transform_graph(gm, example_inputs, state, names, buffers)
-        if state.compile_reuse:
-            from .compiled_reuse import CompiledReuse  # imports Inductor's machinery only when asked for
+        if state.compile_steps:
+            from .compiled_steps import CompiledSteps  # imports Inductor's machinery only when asked for
 
-            return CompiledReuse(transformed, state)
+            return CompiledSteps(transformed, state)
         return transformed.forward
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -71,7 +71,7 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
     # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code would
     # need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed batches.
     function = torch.compile(_own_code(run), backend=backend, fullgraph=True,
-                             dynamic=False if state.compile_reuse else None)
+                             dynamic=False if state.compile_steps else None)
     label = type(model).__name__
 
     @functools.wraps(model._call_impl)

@@ -68,12 +68,12 @@ class ScaleState(ScaleSchedule):
 
     def __init__(self, options: AdaptiveOptions | None, init_scale: float, device: torch.device | str) -> None:
         #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
-        #: steps between refreshes (``compiled_reuse.py``) gather their coefficients again when it moves.
+        #: steps between refreshes (``compiled_steps.py``) gather their coefficients again when it moves.
         self.generation = 0
         #: Whether steps between refreshes run compiled (``LossScaler(..., compile=True)``).
-        self.compile_reuse = False
+        self.compile_steps = False
         #: Forward calls that ran a compiled step between refreshes (what tests and the benchmark check), and the
-        #: captured graphs' ``CompiledReuse`` objects.
+        #: captured graphs' ``CompiledSteps`` objects.
         self.compiled_steps = 0
         self.compiled_graphs: list[Any] = []
         self.init_schedule(options)
@@ -98,6 +98,8 @@ class ScaleState(ScaleSchedule):
         self.caches: dict[str, torch.Tensor] = {}
         self.graphs: dict[int, GraphPlan] = {}
         self._active: list[Execution] = []
+        #: Compiled refresh steps whose values are still in their sink's gradient (see :meth:`settle`).
+        self._pending: list[tuple] = []
         #: Backward passes through scale points since the scaler last checked (see LossScaler.step).
         self.backward_passes = 0
         #: Whether steps between refreshes on a device apply host copies of the factors (see :meth:`mirror_request`);
@@ -222,6 +224,21 @@ class ScaleState(ScaleSchedule):
             table = torch.full((max(plan.num_slots, 1),), self.loss_scale, dtype=torch.float32, device=self.device)
         return Execution(self, plan, table)
 
+    def expect_refresh(self, execution: "Execution", sink: torch.Tensor, writes: Any, loss_scale: torch.Tensor) -> None:
+        """A compiled refresh step ran forward (``compiled_refresh.py``): once its backward has run, the gradient of
+        ``sink`` holds what the refresh stores, and :meth:`settle` copies it in (``writes`` says where)."""
+        self._pending.append((execution, sink, writes, loss_scale))
+
+    def settle(self) -> None:
+        """Store what compiled refresh steps computed in their backward (the factors, caches and ``execution``'s
+        table); an execution whose backward did not run stores nothing, as an eager one. Called before anything
+        reads the state after a backward."""
+        pending, self._pending = self._pending, []
+        for execution, sink, writes, loss_scale in pending:
+            if sink.grad is not None:
+                writes.store(self, execution, sink.grad, loss_scale[0])
+                self.ran_backward(execution)
+
     def ran_backward(self, execution: "Execution") -> None:
         """Called by an execution's first backward node."""
         self._active.append(execution)
@@ -242,6 +259,7 @@ class ScaleState(ScaleSchedule):
     def finish_iteration(self, retry: bool) -> None:
         """After the optimizer decision: the tables of this iteration's full backward passes become the templates
         steps until the next refresh reuse (and their host copies, when the scaler read them back)."""
+        self.settle()
         if not self.reuse:
             for execution in self._active:
                 self._save_template(execution)
@@ -264,6 +282,7 @@ class ScaleState(ScaleSchedule):
         """Inside a step that may be captured in a CUDA graph, after its backward: copy each table this iteration's
         full backward passes wrote into its graph's template (allocated on the first call), so that the template
         keeps one address for every replay (see ``keep_templates``). A no-op on steps that reuse the templates."""
+        self.settle()
         for execution in self._active:
             self._save_template(execution)
 
@@ -286,6 +305,7 @@ class ScaleState(ScaleSchedule):
         """What the steps until the next refresh need on the host, as one flat float32 device tensor for the scaler
         to read back with the step's overflow flag (then :meth:`receive_mirror`); None when nothing is needed: on
         the host path, on steps that applied stored factors themselves, or when the next step refreshes anyway."""
+        self.settle()
         if (not (self.adaptive and self.mirror_between_refreshes) or self.reuse or not self._active
                 or scalars_on_host(self.arrays["factor"])
                 or (self.iteration + 1) % self.options.update_per_n_iteration == 0):
@@ -320,6 +340,7 @@ class ScaleState(ScaleSchedule):
         """Per-point factors by name (CPU tensors), caches and the iteration counter: what a resume needs. Copies,
         never views of the live state (``.cpu()`` of a CPU tensor is the tensor itself): a snapshot kept in memory
         or written by a background thread (Lightning's AsyncCheckpointIO) must not change with the next step."""
+        self.settle()
         n = len(self.names)
         return {"iteration": self.iteration, "names": list(self.names), "headroom": self.headroom,
                 **{name: self.arrays[name][:n].to("cpu", copy=True) for name in _POINT_ARRAYS},

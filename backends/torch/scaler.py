@@ -77,7 +77,7 @@ class LossScaler:
             for why it is off by default). On CPU the factor math runs on host scalars either way.
         compile: run the model compiled by torch.compile's Inductor. Adaptive: its steps between refreshes
             (``update_per_n_iteration`` > 1) run as one compiled forward and backward, with no Python per layer;
-            refresh steps stay eager (see ``compiled_reuse.py``). Other methods: ``model.compile()``. Each input
+            refresh steps stay eager (see ``compiled_steps.py``). Other methods: ``model.compile()``. Each input
             shape compiles once, at its first (adaptive: first between-refresh) step: seconds to minutes.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
@@ -103,7 +103,7 @@ class LossScaler:
             device = _device_of(model)
             self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale, device)
             self.state.use_fused_refresh(fused)
-            self.state.compile_reuse = bool(compile)
+            self.state.compile_steps = bool(compile)
             install(model, self.state)
         elif compile:
             model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay
@@ -199,6 +199,8 @@ class LossScaler:
         """
         if self._found_inf is not None or not self.enabled:
             return
+        if self.state is not None:
+            self.state.settle()  # a compiled refresh's values, before anything reads the state
         self._check_adaptive_ran(optimizer)
         grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:

@@ -41,7 +41,7 @@ class _Net(nn.Module):
     """Every kind of inserted point: scale points (conv, linear), parameter uses (batch and layer norm), branches
     (the residuals), widening output points (layer norm under autocast), an output point and an input point."""
 
-    def __init__(self, width: int = 4) -> None:
+    def __init__(self, width: int = 8) -> None:
         super().__init__()
         self.stem = nn.Conv2d(1, width, 3, padding=1)
         self.block = _Block(width)
@@ -53,16 +53,51 @@ class _Net(nn.Module):
 
 
 def _gradients(model, scaler, x, y, autocast_dtype, pure=False):
+    """Every parameter's gradient, and the input's when it requires one (last)."""
     model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(x.requires_grad)
     with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None and not pure):
         loss = F.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return [p.grad.clone() for p in model.parameters()] + ([x.grad.clone()] if x.requires_grad else [])
 
 
-def _compare_reuse_steps(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False) -> LossScaler:
-    """Train with compiled steps between refreshes (every 2nd step refreshes); on each compiled step, run the same
-    batch on the same weights through the eager reuse step too and compare every parameter gradient."""
+def _stored(state):
+    """What a refresh stores: the per-point arrays, the caches and the tables of this iteration's executions."""
+    n = len(state.names)
+    arrays = {name: state.arrays[name][:n].clone() for name in
+              ("unbound", "factor", "weight_unbound", "weight_factor", "weight_scale")}
+    return arrays, {k: v.clone() for k, v in state.caches.items()}, [e.table.clone() for e in state._active]
+
+
+def _check_coefficients(state, graph):
+    """The vector a compiled step between refreshes applies, entry by entry, against the state it came from: a
+    scale point's factors and scales, a branch's multipliers (its common scale over each consumer's), the output
+    point's factor and the input point's scale ratio."""
+    table = graph.plan.template
+
+    def read(source):
+        kind, key = source
+        if kind == "one":
+            return 1.0
+        if kind == "table":
+            return float(table[key])
+        if kind == "cache":
+            return float(state.caches[key])
+        return float(state.arrays[kind][key])
+
+    values = graph.coefficients.tolist()
+    for (numerator, denominator), value in zip(graph.layout.pairs, values):
+        assert value == pytest.approx(read(numerator) / read(denominator), rel=1e-7)
+    kinds = {kind for pair in graph.layout.pairs for kind, _ in pair}
+    assert kinds == {"factor", "weight_factor", "weight_scale", "table", "cache", "one"}
+    # 4 scale points, 2 norms' parameter uses, a branch of 2, the output point and the input point
+    assert len(values) == 4 * 4 + 2 + 2 + 1 + 1
+
+
+def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False) -> LossScaler:
+    """Train with compiled steps (every 2nd step refreshes); on each, run the same batch on the same weights
+    through the eager step too and compare every parameter gradient, and after a refresh everything it stored."""
     torch.manual_seed(0)
     model = _Net().to(device)
     scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=2)
@@ -71,45 +106,69 @@ def _compare_reuse_steps(device: str, autocast_dtype, rtol: float, steps: int = 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     state = scaler.state
     gen = torch.Generator().manual_seed(1)
-    factors_seen = []
+    factors_seen, refreshes = [], 0
     for step in range(steps):
         # Inputs of another magnitude in every refresh period, so that the factors differ between periods and
         # stale coefficients would show.
-        x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device)
+        # The input requires a gradient, which leaves through the input point at the loss's scale.
+        x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device).requires_grad_()
         y = torch.randint(0, 10, (8,), generator=gen).to(device)
-        reuse, before = state.reuse, state.compiled_steps
+        refresh, reuse, before = state.refresh, state.reuse, state.compiled_steps
         compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
-        assert state.compiled_steps == before + reuse  # compiled exactly on the steps between refreshes
+        state.settle()
+        # Compiled exactly on refresh steps and steps between refreshes (after an overflow's back-off a step only
+        # recomputes its bounds, eagerly).
+        assert state.compiled_steps == before + (refresh or reuse)
+        if not (refresh or reuse):
+            scaler.step(optimizer)
+            scaler.update()
+            continue
         if reuse:
             # In float32 stale coefficients would still give the true gradients (factors and scales cancel), so
             # the applied vector is checked against the state itself.
             for graph in (g for g in state.compiled_graphs if g.layout is not None):
-                torch.testing.assert_close(graph.coefficients, graph.layout.gather(state, graph.plan), rtol=0,
-                                           atol=0)
-            state.compile_reuse = False
-            eager = _gradients(model, scaler, x, y, autocast_dtype, pure)
-            state.compile_reuse = True
-            for (name, _), a, b in zip(model.named_parameters(), compiled, eager):
-                assert torch.isfinite(b).all(), name
-                scale = b.abs().max().clamp_min(1e-30)
-                assert ((a - b).abs().max() / scale).item() <= rtol, name
+                _check_coefficients(state, graph)
             factors_seen.append(state.arrays["factor"][:len(state.names)].clone())
+        stored = _stored(state)
+        state._active = []
+        state.compile_steps = False
+        eager = _gradients(model, scaler, x, y, autocast_dtype, pure)
+        state.compile_steps = True
+        names = [name for name, _ in model.named_parameters()] + ["input"]
+        assert len(compiled) == len(eager) == len(names)
+        for name, a, b in zip(names, compiled, eager):
+            assert torch.isfinite(b).all(), name
+            scale = b.abs().max().clamp_min(1e-30)
+            assert ((a - b).abs().max() / scale).item() <= rtol, name
+        if refresh:
+            refreshes += 1
+            arrays, caches, tables = stored
+            want_arrays, want_caches, want_tables = _stored(state)
+            for name in ("factor", "weight_factor", "weight_scale"):  # powers of two: exactly the eager ones
+                torch.testing.assert_close(arrays[name], want_arrays[name], rtol=0, atol=0, msg=name)
+            for name in ("unbound", "weight_unbound"):  # statistics: up to the reductions' order
+                torch.testing.assert_close(arrays[name], want_arrays[name], rtol=rtol, atol=0, msg=name)
+            assert caches.keys() == want_caches.keys()
+            for key in caches:
+                torch.testing.assert_close(caches[key], want_caches[key], rtol=0, atol=0, msg=key)
+            assert len(tables) == len(want_tables) == 1
+            torch.testing.assert_close(tables[0], want_tables[0], rtol=0, atol=0)
         scaler.step(optimizer)
         scaler.update()
-    # (an overflow's back-off makes the next step recompute its bounds eagerly, so not every other step reuses)
-    assert state.compiled_steps == len(factors_seen) >= 2 and any(not torch.equal(factors_seen[0], f) for f in factors_seen[1:])
+    assert refreshes >= 2 and len(factors_seen) >= 2
+    assert any(not torch.equal(factors_seen[0], f) for f in factors_seen[1:])
     return scaler
 
 
-def test_compiled_steps_between_refreshes_give_the_eager_gradients_in_float32():
-    scaler = _compare_reuse_steps("cpu", None, rtol=1e-5)
+def test_compiled_steps_give_the_eager_gradients_and_refreshes_in_float32():
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5)
     assert len(scaler.state.names) == 4  # stem, two convs and fc are scale points
 
 
 @pytest.mark.parametrize("mode", ["autocast", "pure"])
-def test_compiled_steps_between_refreshes_give_the_eager_gradients_in_fp16(mode):
+def test_compiled_steps_give_the_eager_gradients_and_refreshes_in_fp16(mode):
     # Inductor keeps fused element-wise intermediates in float32 where eager rounds each to fp16: a few fp16 ulps.
-    _compare_reuse_steps("cpu", torch.float16, rtol=1e-2, pure=mode == "pure")
+    _compare_with_eager("cpu", torch.float16, rtol=1e-2, pure=mode == "pure")
 
 
 def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch):
@@ -134,8 +193,9 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
             for s in (scaler, plain):
                 s.step(torch.optim.SGD(s.model.parameters(), lr=0.0))
                 s.update()
-    messages = [str(w.message) for w in caught if "compiling the steps between refreshes failed" in str(w.message)]
-    assert len(messages) == 1 and "no C++ compiler" in messages[0]
+    messages = [str(w.message) for w in caught if "adaloss: compiling the" in str(w.message)]
+    assert len(messages) == 2 and all("no C++ compiler" in m for m in messages)  # once per kind of step
+    assert "refresh steps failed" in messages[0] and "between-refresh steps failed" in messages[1]
     assert scaler.state.compiled_steps == 0
 
 
@@ -147,40 +207,6 @@ def test_compile_for_other_methods_compiles_the_model_in_place():
     plain = nn.Linear(3, 2)
     LossScaler(plain, "dynamic")
     assert plain._compiled_call_impl is None
-
-
-def test_coefficients_are_what_the_eager_reuse_step_applies():
-    """The gathered vector, entry by entry: a scale point's factors and scales, a branch's multipliers (its common
-    scale over each consumer's scale), the output point's factor and the input point's scale ratio."""
-    torch.manual_seed(0)
-    model = _Net()
-    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=4)
-    x, y = torch.randn(8, 1, 6, 6).requires_grad_(), torch.randint(0, 10, (8,))
-    for _ in range(2):
-        _gradients(model, scaler, x, y, None)
-        scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
-        scaler.update()
-    state = scaler.state
-    (graph,) = state.compiled_graphs
-    assert state.compiled_steps == 1
-    table = graph.plan.template
-
-    def read(source):
-        kind, key = source
-        if kind == "one":
-            return 1.0
-        if kind == "table":
-            return float(table[key])
-        if kind == "cache":
-            return float(state.caches[key])
-        return float(state.arrays[kind][key])
-
-    for (numerator, denominator), value in zip(graph.layout.pairs, graph.coefficients.tolist()):
-        assert value == pytest.approx(read(numerator) / read(denominator), rel=1e-7)
-    kinds = {kind for pair in graph.layout.pairs for kind, _ in pair}
-    assert kinds == {"factor", "weight_factor", "weight_scale", "table", "cache", "one"}
-    # 4 scale points, 2 norms' parameter uses, a branch of 2, the output point and the input point
-    assert len(graph.layout.pairs) == 4 * 4 + 2 + 2 + 1 + 1
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -214,5 +240,5 @@ def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_compiled_steps_between_refreshes_give_the_eager_gradients_under_fp16_autocast():
-    _compare_reuse_steps("cuda", torch.float16, rtol=1e-2)
+def test_cuda_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2)

@@ -27,7 +27,7 @@ from .points import ScalePoint, _cast, _no_autocast
 from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, compute_dtype
 from .scale_state import GraphPlan, ScaleState
 
-__all__ = ["CompiledReuse"]
+__all__ = ["CompiledSteps"]
 
 #: Where a coefficient's numerator or denominator comes from: a per-point array of the state and an index, the
 #: graph's scale table (template) and a slot, an output/branch cache by name, or the constant 1.
@@ -235,34 +235,46 @@ def _inserted(node: fx.Node) -> Any:
     return module if isinstance(module, (Begin, ScalePoint, ParamUse, BranchPoint, OutputPoint, InputPoint)) else None
 
 
-def static_graph(gm: fx.GraphModule, dtype: torch.dtype | None, pure: bool) -> tuple[fx.GraphModule, _Layout]:
-    """A copy of the transformed graph ``gm`` whose points read the coefficients (a last input) instead of an
-    execution of the scale state; and its coefficient layout."""
+def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any], Callable[..., Any]],
+                 begin: Callable[..., Any] | None = None) -> fx.GraphModule:
+    """A copy of the transformed graph ``gm`` with new last inputs named ``inputs``, in which every inserted point's
+    node calls ``make_call(point)`` and the node that started an execution of the scale state becomes the (one) new
+    input, or ``begin`` called on all of them."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    layout = _Layout()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
-        coefficients = graph.placeholder("adaloss_coefficients")
+    added: list[fx.Node] = []
+    for name in inputs:  # each after the last, in order
+        anchor = added[-1] if added else (placeholders[-1] if placeholders else None)
+        with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before():
+            added.append(graph.placeholder(name))
     for node in list(graph.nodes):
         module = _inserted(node)
-        if module is None:
-            continue
         if isinstance(module, Begin):
-            node.replace_all_uses_with(coefficients)
-            graph.erase_node(node)
-        else:
-            node.target = _static_call(module, layout, dtype, pure)
+            if begin is None:
+                node.replace_all_uses_with(added[0])
+                graph.erase_node(node)
+            else:
+                node.target, node.args = begin, tuple(added)
+        elif module is not None:
+            node.target = make_call(module)
     for node in graph.nodes:
         node.meta = {}
     graph.lint()
-    return fx.GraphModule(gm, graph), layout
+    return fx.GraphModule(gm, graph)
 
 
-class CompiledReuse:
+def _compile_failed(kind: str, err: Exception) -> None:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    warnings.warn(f"adaloss: compiling the {kind} steps failed ({type(err).__name__}: {first}); they run eagerly "
+                  "(correct, slower)", RuntimeWarning, stacklevel=4)
+
+
+class CompiledSteps:
     """What the capture backend returns for one transformed graph with ``compile``: calls the eager graph, except on
-    steps between refreshes, which run the compiled static graph (built and compiled at the first such step, under
-    the autocast state Dynamo guarded this graph on)."""
+    refresh steps and steps between refreshes, which run compiled static graphs (each built and compiled at its
+    first step, under the autocast state Dynamo guarded this graph on). Steps that only recompute bounds, recorded
+    steps and the float32 reference pass stay eager."""
 
     def __init__(self, gm: fx.GraphModule, state: ScaleState) -> None:
         self.gm, self.state = gm, state
@@ -272,20 +284,30 @@ class CompiledReuse:
         self.layout: _Layout | None = None
         self.coefficients: torch.Tensor | None = None
         self._generation = -1
+        #: Compiled refresh graphs by headroom: (compiled function, where its values go), or None after a failure.
+        self.refreshes: dict[float, Any] = {}
         self._failed = False
         state.compiled_graphs.append(self)
 
-    def _static_step(self) -> bool:
+    def _compilable(self) -> bool:
         state = self.state
-        return (state.compile_reuse and state.adaptive and state.reuse and self.plan.template is not None
-                and not state.recording and not state.reference_pass and not self._failed
+        return (state.compile_steps and state.adaptive and not state.recording and not state.reference_pass
                 and torch.is_grad_enabled())
 
     def __call__(self, *args: Any) -> Any:
-        if not self._static_step():
-            return self.gm.forward(*args)
+        state = self.state
+        if self._compilable():
+            if state.refresh:
+                return self._refresh(args)
+            if state.reuse and self.plan.template is not None and not self._failed:
+                return self._reuse(args)
+        return self.gm.forward(*args)
+
+    # -- steps between refreshes -----------------------------------------------------------------------------------
+
+    def _reuse(self, args: tuple) -> Any:
         if self._compiled is None:
-            self._compile(args)
+            self._compile_steps(args)
             if self._compiled is None:
                 return self.gm.forward(*args)
         state = self.state
@@ -296,18 +318,59 @@ class CompiledReuse:
         state.compiled_steps += 1
         return self._compiled(*args, self.coefficients)
 
-    def _compile(self, args: tuple) -> None:
+    def _compile_steps(self, args: tuple) -> None:
         from torch._inductor.compile_fx import compile_fx
 
         dtype, pure = compute_dtype(self.state)
-        static, layout = static_graph(self.gm, dtype, pure)
+        layout = _Layout()
+        static = static_graph(self.gm, ["adaloss_coefficients"],
+                              lambda module: _static_call(module, layout, dtype, pure))
         try:
             self._compiled = compile_fx(static, [*args, layout.gather(self.state, self.plan)])
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             self._failed = True
-            warnings.warn(f"adaloss: compiling the steps between refreshes failed ({type(err).__name__}: "
-                          f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); they run eagerly "
-                          "(correct, slower)", RuntimeWarning, stacklevel=3)
+            _compile_failed("between-refresh", err)
             return
         self.layout = layout
 
+    # -- refresh steps ---------------------------------------------------------------------------------------------
+
+    def _refresh(self, args: tuple) -> Any:
+        state = self.state
+        entry = self.refreshes.get(state.headroom, ())
+        if entry == ():
+            entry = self.refreshes[state.headroom] = self._compile_refresh(args)
+        if entry is None:
+            return self.gm.forward(*args)
+        compiled, writes = entry
+        execution = state.begin(self.plan)
+        loss_scale, sink = self._refresh_inputs(writes)
+        state.expect_refresh(execution, sink, writes, loss_scale)
+        state.compiled_steps += 1
+        return compiled(*args, loss_scale, sink)
+
+    def _refresh_inputs(self, writes: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss scale (what every table slot holds before backward writes it) and a fresh sink."""
+        state = self.state
+        loss_scale = torch.full((1,), state.loss_scale, dtype=torch.float32, device=state.device)
+        return loss_scale, torch.zeros(writes.size, device=state.device, requires_grad=True)
+
+    def _compile_refresh(self, args: tuple) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        from adaloss_cli.core.array_ops import traced_scalars
+
+        from .compiled_refresh import new_trace, refresh_call
+
+        state = self.state
+        dtype, pure = compute_dtype(state)
+        trace = new_trace(self.gm, state, self.plan, state.headroom)
+        static = static_graph(self.gm, ["adaloss_loss_scale", "adaloss_sink"], refresh_call(trace, dtype, pure),
+                              begin=trace.begin)
+        try:
+            with traced_scalars():  # the factor math traced as tensor operations, also on CPU
+                compiled = compile_fx(static, [*args, *self._refresh_inputs(trace.writes)])
+        except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
+            _compile_failed("refresh", err)
+            return None
+        return compiled, trace.writes

@@ -1,0 +1,280 @@
+"""Refresh steps compiled whole: the other half of ``LossScaler(model, "adaptive", compile=True)``.
+
+A refresh recomputes every point's factors from the statistics of its gradients in backward and writes them, with
+the scale table, to the scale state; eagerly each point does that in Python, in its autograd function. Here the
+static graph of ``compiled_steps.py`` gets points whose backward calls the core's pure refresh functions
+(``refresh_factors``, the branch common scale, the output factor: the same code every backend runs) on the traced
+gradients, so that Inductor compiles the statistics, the factor math and the scaled products of the whole backward
+into one graph. Two things an eager backward does through Python state become data flow:
+
+- the accumulated scale a point writes for the points above it (its table slot) is handed on, while Inductor traces
+  the backward, through a dictionary of traced values (:class:`_Trace`): the compiled code computes it where the
+  eager code would have read it;
+- what a refresh stores (each point's five factors and scales, every table slot, the caches of branch and output
+  points) leaves backward as the gradient of a *sink*, a vector input that every point takes and ignores in forward:
+  each point's backward returns its values at its own positions of that gradient, autograd adds them up, and
+  :meth:`ScaleState.settle` copies the sum into the state before anything reads it.
+
+The headroom (the overflow policy's back-off, a number the bounds use) is compiled in: each value it takes gets a
+graph of its own, compiled at its first refresh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
+from adaloss_cli.core.array_ops import ops_for
+from adaloss_cli.core.branches import _branch_common_scale
+from adaloss_cli.core.range_bounds import _output_factor
+from adaloss_cli.core.scale_steps import refresh_factors
+
+from .compiled_steps import _divided, _times
+from .points import ScalePoint, _cast, _no_autocast
+from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse
+from .scale_state import Execution, GraphPlan, ScaleState
+
+__all__ = ["RefreshWrites", "refresh_call"]
+
+#: A scale point's values in the sink, in the order of ``ScaleState``'s per-point arrays that a refresh writes.
+POINT_VALUES = ("unbound", "weight_unbound", "factor", "weight_factor", "weight_scale")
+
+
+class RefreshWrites:
+    """Where each value a refresh stores sits in the sink: per scale point a block of :data:`POINT_VALUES`, then
+    one entry per table slot, then one per cache (output and branch points, by name)."""
+
+    def __init__(self, plan: GraphPlan, point_indices: list[int], cache_names: list[str]) -> None:
+        self.point_indices = point_indices
+        self.point_base = {index: k * len(POINT_VALUES) for k, index in enumerate(point_indices)}
+        self.slot_base = len(point_indices) * len(POINT_VALUES)
+        self.num_slots = plan.num_slots
+        self.cache_base = {name: self.slot_base + max(plan.num_slots, 1) + k for k, name in enumerate(cache_names)}
+        self.size = self.slot_base + max(plan.num_slots, 1) + len(cache_names)
+        #: The slots the traced backward wrote (the others keep the loss scale, as an eager table does).
+        self.written_slots: set[int] = set()
+
+    def store(self, state: ScaleState, execution: Execution, values: torch.Tensor, loss_scale: torch.Tensor) -> None:
+        """Copy a refresh's values (the sink's gradient) into the state and the execution's table."""
+        k = len(POINT_VALUES)
+        if self.point_indices:
+            index = torch.tensor(self.point_indices, device=values.device)
+            block = values[:self.slot_base].reshape(-1, k)
+            for column, name in enumerate(POINT_VALUES):
+                state.arrays[name].index_copy_(0, index, block[:, column])
+        written = torch.zeros(max(self.num_slots, 1), dtype=torch.bool)
+        written[sorted(self.written_slots)] = True
+        table = values[self.slot_base:self.slot_base + written.numel()]
+        execution.table.copy_(torch.where(written.to(values.device), table, loss_scale))
+        if self.cache_base:
+            caches = [state.cache(name) for name in self.cache_base]
+            torch._foreach_copy_(caches, list(values[[self.cache_base[n] for n in self.cache_base]].unbind()))
+
+
+class _Trace:
+    """What the refresh points share while Inductor traces the backward: the table slots written so far (traced
+    0-d values), the loss scale and the sink's size. Reset by the graph's first node at every trace."""
+
+    def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan, headroom: float) -> None:
+        self.writes, self.options, self.headroom = writes, state.options, headroom
+        self.origin_slot = plan.origin_slot
+        self.slots: dict[int, torch.Tensor] = {}
+        self.loss_scale: torch.Tensor | None = None
+
+    def begin(self, c: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.slots = {}
+        return c, sink
+
+    def read(self, c: torch.Tensor, slot: int) -> torch.Tensor:
+        found = self.slots.get(slot)
+        return c[0] if found is None else found
+
+    def write(self, slot: int, value: torch.Tensor) -> None:
+        self.slots[slot] = value
+        self.writes.written_slots.add(slot)
+
+    def sink_gradient(self, entries: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """A vector of the sink's size holding ``entries`` (position, 0-d value) and zeros elsewhere."""
+        size = self.writes.size
+        parts = [F.pad(value.reshape(1).float(), (at, size - at - 1)) for at, value in entries]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+
+class _RefreshPoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: ScalePoint, trace: _Trace, dtype: torch.dtype | None, c: torch.Tensor,
+                sink: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        with _no_autocast(x.device.type):
+            y = point.compute(xc, wc, bc)
+        ctx.save_for_backward(c, xc, wc, weight)
+        ctx.point, ctx.trace = point, trace
+        ctx.shapes = (x.shape, weight.shape)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        c, xc, wc, master = ctx.saved_tensors
+        point, trace = ctx.point, ctx.trace
+        options = trace.options
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[5:8]
+        x_shape, w_shape = ctx.shapes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        accum = trace.read(c, point.out_slot)
+        weight = wc if options.method in EXACT_WEIGHT_METHODS else master.detach()
+        x_input = xc.detach() if needs_w and options.exact_bounds else None
+        with _no_autocast(gy.device.type):
+            unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
+                gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
+                x_axis=point.x_axis, options=options, headroom=trace.headroom)
+            trace.write(point.in_slot, in_scale)
+            gx = gw = gb = None
+            if needs_x:
+                gx = point.input_grad(_times(gy, factor), xc, x_shape, wc).to(x_dtype)
+            if needs_w:
+                gw = _divided(point.weight_grad(_times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
+            if needs_b:
+                accumulation = torch.promote_types(gy.dtype, torch.float32)
+                gb = _divided(point.bias_grad(gy, accumulation), accum, b_dtype)
+        base = trace.writes.point_base[point.index]
+        values = (unbound, weight_unbound, factor, weight_factor, weight_scale)
+        sink = trace.sink_gradient([(base + k, v) for k, v in enumerate(values)]
+                                   + [(trace.writes.slot_base + point.in_slot, in_scale)])
+        return None, None, None, None, sink, gx, gw, gb
+
+
+class _RefreshMerge(torch.autograd.Function):
+    """A branch (``summed``) or join point's refresh: the common scale of the gradients that arrived (a lone one
+    passes through with its scale, as eagerly)."""
+
+    @staticmethod
+    def forward(ctx, point: BranchPoint, trace: _Trace, c: torch.Tensor, sink: torch.Tensor,
+                *xs: torch.Tensor) -> tuple:
+        ctx.save_for_backward(c)
+        ctx.point, ctx.trace = point, trace
+        ctx.set_materialize_grads(False)
+        if not point.join:
+            return tuple(xs[0].view_as(xs[0]) for _ in range(point.fan_out))
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        (c,) = ctx.saved_tensors
+        point, trace = ctx.point, ctx.trace
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out = list(grads)
+        sink = None
+        if len(present) == 1:
+            trace.write(point.in_slot, trace.read(c, point.out_slots[present[0]]))
+        elif present:
+            tensors = [grads[i] for i in present]
+            limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom
+            if trace.options.method == "max_range":
+                limit /= len(tensors)
+            scales = [trace.read(c, point.out_slots[i]) for i in present]
+            common, multipliers = _branch_common_scale(ops_for(tensors[0]), tensors, scales, limit)
+            for i, m in zip(present, multipliers):
+                out[i] = _times(grads[i], m)
+            trace.write(point.in_slot, common)
+            sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, common),
+                                        (trace.writes.cache_base[point.name], common)])
+        if point.join:
+            return None, None, None, sink, *out
+        total = None
+        for i in present:
+            total = out[i] if total is None else total + out[i]
+        return None, None, None, sink, total
+
+
+class _RefreshOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: OutputPoint, trace: _Trace, c: torch.Tensor, sink: torch.Tensor,
+                y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c)
+        ctx.point, ctx.trace, ctx.dtype = point, trace, y.dtype
+        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (c,) = ctx.saved_tensors
+        point, trace = ctx.point, ctx.trace
+        factor = _output_factor(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
+        scale = trace.read(c, point.out_slot) * factor
+        trace.write(point.in_slot, scale)
+        sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
+                                    (trace.writes.cache_base[point.name], factor)])
+        scaled = g * factor.to(g.dtype) if g.dtype == torch.float64 else g.float() * factor
+        return None, None, None, sink, scaled.to(ctx.dtype)
+
+
+class _RefreshParamUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: ParamUse, trace: _Trace, cast: torch.dtype | None, c: torch.Tensor,
+                *ps: torch.Tensor) -> tuple:
+        ctx.save_for_backward(c)
+        ctx.point, ctx.trace, ctx.dtypes = point, trace, [p.dtype for p in ps]
+        ctx.set_materialize_grads(False)
+        return tuple(p.to(cast) if cast is not None and p.is_floating_point() and p.dtype != cast else p.view_as(p)
+                     for p in ps)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        (c,) = ctx.saved_tensors
+        scale = ctx.trace.read(c, ctx.point.slot)
+        return (None, None, None, None,
+                *(None if g is None else _divided(g, scale, d) for g, d in zip(grads, ctx.dtypes)))
+
+
+class _RefreshInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, point: InputPoint, trace: _Trace, cast: torch.dtype | None, c: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c)
+        ctx.point, ctx.trace, ctx.dtype = point, trace, x.dtype
+        return x.to(cast) if cast is not None and x.is_floating_point() and x.dtype != cast else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (c,) = ctx.saved_tensors
+        trace = ctx.trace
+        ratio = trace.read(c, ctx.point.slot) / trace.read(c, 0)
+        return None, None, None, None, _divided(g, ratio, ctx.dtype)
+
+
+def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callable[[Any], Callable[..., Any]]:
+    """For the static graph builder: what replaces each inserted point's node in a refresh graph, a function of
+    ((coefficients, sink), *its inputs)."""
+
+    def make(module: Any) -> Callable[..., Any]:
+        if isinstance(module, ScalePoint):
+            def point(shared, x, weight, bias=None):
+                return _RefreshPoint.apply(module, trace, dtype, *shared, x, weight, bias)
+            return point
+        if isinstance(module, ParamUse):
+            cast = dtype if (module.castable and pure) else None
+            return lambda shared, *ps: _RefreshParamUse.apply(module, trace, cast, shared[0], *ps)
+        if isinstance(module, BranchPoint):
+            return lambda shared, *xs: _RefreshMerge.apply(module, trace, *shared, *xs)
+        if isinstance(module, OutputPoint):
+            return lambda shared, y: _RefreshOutput.apply(module, trace, *shared, y)
+        if isinstance(module, InputPoint):
+            cast = dtype if pure else None
+            return lambda shared, x: _RefreshInput.apply(module, trace, cast, shared[0], x)
+        raise TypeError(f"no refresh version of {type(module).__name__}")
+
+    return make
+
+
+def new_trace(gm: Any, state: ScaleState, plan: GraphPlan, headroom: float) -> _Trace:
+    """The writes layout and trace context of ``gm``'s refresh graph."""
+    adaloss = gm.adaloss
+    writes = RefreshWrites(plan, [p.index for p in adaloss.points],
+                           [m.name for m in list(adaloss.outputs) + list(adaloss.branches)])
+    return _Trace(writes, state, plan, headroom)
