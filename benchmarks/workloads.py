@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100",
             "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
-            "gradscaler-compiled", "adaptive-100-compiled")
+            "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled")
 #: The variants that capture the whole step in a CUDA graph (``GraphedStep``, fused SGD): CUDA only.
 GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
-#: ``LossScaler(compile=True)`` (the steps between refreshes compiled) for adaptive.
+#: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
 COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-compiled"))
 REFERENCE = "gradscaler"
 #: The reference of the compiled variants: GradScaler on the same model compiled by Inductor.

@@ -149,9 +149,9 @@ class TrainingConfig:
                                "graph and replay it, so the host launches one graph instead of thousands of kernels. "
                                "The optimizer runs fused; one process, grad_accum_steps 1.")
     compile: bool = option(False, "PyTorch: run the model compiled by torch.compile (Inductor). With adaptive "
-                           "scaling the steps between refreshes (update_per_n_iteration > 1) run as one compiled "
-                           "forward and backward and refresh steps stay eager; other methods compile the model. Each "
-                           "input shape compiles once, at its first such step (seconds to minutes).")
+                           "scaling, refresh steps and steps between refreshes each run as one compiled forward and "
+                           "backward, scale logic included; other methods compile the model. Each input shape "
+                           "compiles at its first step (seconds to minutes).")
     max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
                                             "loss is NaN or infinite.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")

@@ -56,22 +56,32 @@ class RefreshWrites:
         self.size = self.slot_base + max(plan.num_slots, 1) + len(cache_names)
         #: The slots the traced backward wrote (the others keep the loss scale, as an eager table does).
         self.written_slots: set[int] = set()
+        self._on_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None
+
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points' indices and the written slots' mask on ``device``, copied there once (a copy from pageable
+        host memory waits for the device)."""
+        if self._on_device is None or self._on_device[0] != device:
+            written = torch.zeros(max(self.num_slots, 1), dtype=torch.bool)
+            written[sorted(self.written_slots)] = True
+            self._on_device = (device, torch.tensor(self.point_indices, dtype=torch.long).to(device),
+                               written.to(device))
+        return self._on_device[1], self._on_device[2]
 
     def store(self, state: ScaleState, execution: Execution, values: torch.Tensor, loss_scale: torch.Tensor) -> None:
-        """Copy a refresh's values (the sink's gradient) into the state and the execution's table."""
-        k = len(POINT_VALUES)
+        """Copy a refresh's values (the sink's gradient) into the state and the execution's table: a few kernels
+        and no host transfer."""
+        index, written = self._indices(values.device)
         if self.point_indices:
-            index = torch.tensor(self.point_indices, device=values.device)
-            block = values[:self.slot_base].reshape(-1, k)
+            block = values[:self.slot_base].reshape(-1, len(POINT_VALUES))
             for column, name in enumerate(POINT_VALUES):
                 state.arrays[name].index_copy_(0, index, block[:, column])
-        written = torch.zeros(max(self.num_slots, 1), dtype=torch.bool)
-        written[sorted(self.written_slots)] = True
         table = values[self.slot_base:self.slot_base + written.numel()]
-        execution.table.copy_(torch.where(written.to(values.device), table, loss_scale))
-        if self.cache_base:
+        execution.table.copy_(torch.where(written, table, loss_scale))
+        if self.cache_base:  # consecutive, in the order of cache_base
+            start = min(self.cache_base.values())
             caches = [state.cache(name) for name in self.cache_base]
-            torch._foreach_copy_(caches, list(values[[self.cache_base[n] for n in self.cache_base]].unbind()))
+            torch._foreach_copy_(caches, list(values[start:start + len(caches)].unbind()))
 
 
 class _Trace:
@@ -82,17 +92,19 @@ class _Trace:
         self.writes, self.options, self.headroom = writes, state.options, headroom
         self.origin_slot = plan.origin_slot
         self.slots: dict[int, torch.Tensor] = {}
-        self.loss_scale: torch.Tensor | None = None
 
     def begin(self, c: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph's first node: (loss scale, sink), which every point takes, and a fresh set of slots."""
         self.slots = {}
         return c, sink
 
     def read(self, c: torch.Tensor, slot: int) -> torch.Tensor:
+        """The accumulated scale of ``slot``: what a point below wrote, else the loss scale ``c[0]``."""
         found = self.slots.get(slot)
         return c[0] if found is None else found
 
     def write(self, slot: int, value: torch.Tensor) -> None:
+        """A point's outgoing scale, for the points above it (and for the table the refresh stores)."""
         self.slots[slot] = value
         self.writes.written_slots.add(slot)
 

@@ -1,18 +1,20 @@
-"""Steps between refreshes compiled whole: ``LossScaler(model, "adaptive", compile=True)``.
+"""Training steps compiled whole: ``LossScaler(model, "adaptive", compile=True)``.
 
-Between refreshes every factor and every accumulated scale is what the last full backward left
-(``adaloss_cli.core.scale_schedule``): the inserted points only multiply by stored numbers, so a step's scale logic
-is a fixed function of a few float32 values. For each captured graph this module builds a second version of the
-transformed graph whose points read those values from one vector input, the *coefficients*, with backward formulas
-that are plain tensor arithmetic, and compiles it with Inductor (``torch.compile``'s default compiler): forward and
-backward become generated code with no Python per layer, where an eager step runs every point's backward in Python,
-which is what bounds it on a GPU (DESIGN.md 6). The coefficients are gathered from the scale state once per refresh
-period (a handful of kernels), so values changing at a refresh never recompile anything.
+An eager adaptive step runs a Python autograd function per scale point, branch and parameter use, which bounds it
+on a GPU (DESIGN.md 6). Here each captured graph gets *static* copies of its transformed graph, compiled by Inductor
+(``torch.compile``'s default compiler) forward and backward, with no Python per layer:
 
-Each static point computes exactly what its eager counterpart computes on a reuse step (the same products in float32,
-rounded once to the gradient's dtype; parameter gradients divided in float32), so compiled and eager steps agree up to
-Inductor's own reduction order. Refresh steps, steps that only recompute bounds, recorded steps and the float32
-reference pass run the eager graph, which keeps the state's bookkeeping.
+- steps between refreshes: every factor and accumulated scale is what the last refresh stored
+  (``adaloss_cli.core.scale_schedule``), so the points only multiply by stored numbers. Their static versions
+  (this module) read those numbers from one vector input, the *coefficients*, gathered from the scale state once per
+  refresh period (a handful of kernels, no host read), so values changing at a refresh never recompile anything;
+- refresh steps: the points' static versions call the core's refresh functions on the traced gradients
+  (``compiled_refresh.py``), one compiled graph per headroom value.
+
+Each static point computes what its eager counterpart computes (the same factors, products in float32 rounded once
+to the gradient's dtype, parameter gradients divided in float32), so compiled and eager steps agree up to Inductor's
+reduction order and its float32 intermediates. Steps that only recompute bounds (after a new loss scale), recorded
+steps and the float32 reference pass run the eager graph.
 """
 
 from __future__ import annotations

@@ -75,10 +75,10 @@ class LossScaler:
         fused: adaptive only: run each layer's refresh (statistics and factor math) as one torch.compile'd
             function, a few fused kernels instead of dozens of tiny ones (see ``ScaleState.use_fused_refresh``
             for why it is off by default). On CPU the factor math runs on host scalars either way.
-        compile: run the model compiled by torch.compile's Inductor. Adaptive: its steps between refreshes
-            (``update_per_n_iteration`` > 1) run as one compiled forward and backward, with no Python per layer;
-            refresh steps stay eager (see ``compiled_steps.py``). Other methods: ``model.compile()``. Each input
-            shape compiles once, at its first (adaptive: first between-refresh) step: seconds to minutes.
+        compile: run the model compiled by torch.compile's Inductor. Adaptive: refresh steps and steps between
+            refreshes each run as one compiled forward and backward, with no Python per layer (see
+            ``compiled_steps.py``). Other methods: ``model.compile()``. Each input shape compiles at its first
+            step of each kind: seconds to minutes.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
