@@ -32,8 +32,8 @@ from adaloss_cli.core.branches import _branch_common_scale
 from adaloss_cli.core.range_bounds import _output_factor
 from adaloss_cli.core.scale_steps import refresh_factors
 
-from .compiled_steps import _divided, _times
-from .points import ScalePoint, _cast, _no_autocast
+from .compiled_steps import cast_to, divided, point_forward, point_gradients, times, widened
+from .points import ScalePoint, _no_autocast
 from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse
 from .scale_state import Execution, GraphPlan, ScaleState
 
@@ -122,44 +122,29 @@ class _RefreshPoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, point: ScalePoint, trace: _Trace, dtype: torch.dtype | None, c: torch.Tensor,
                 sink: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
-        with _no_autocast(x.device.type):
-            y = point.compute(xc, wc, bc)
-        ctx.save_for_backward(c, xc, wc, weight)
-        ctx.point, ctx.trace = point, trace
-        ctx.shapes = (x.shape, weight.shape)
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        ctx.trace = trace
+        return point_forward(ctx, point, dtype, x, weight, bias, c)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         c, xc, wc, master = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         options = trace.options
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[5:8]
-        x_shape, w_shape = ctx.shapes
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad[5:8]
         accum = trace.read(c, point.out_slot)
         weight = wc if options.method in EXACT_WEIGHT_METHODS else master.detach()
-        x_input = xc.detach() if needs_w and options.exact_bounds else None
-        with _no_autocast(gy.device.type):
+        x_input = xc.detach() if needs[1] and options.exact_bounds else None
+        with _no_autocast(gy.device.type):  # (the trace may run inside the forward's autocast region)
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
                 gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
                 x_axis=point.x_axis, options=options, headroom=trace.headroom)
-            trace.write(point.in_slot, in_scale)
-            gx = gw = gb = None
-            if needs_x:
-                gx = point.input_grad(_times(gy, factor), xc, x_shape, wc).to(x_dtype)
-            if needs_w:
-                gw = _divided(point.weight_grad(_times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
-            if needs_b:
-                accumulation = torch.promote_types(gy.dtype, torch.float32)
-                gb = _divided(point.bias_grad(gy, accumulation), accum, b_dtype)
+        trace.write(point.in_slot, in_scale)
+        grads = point_gradients(ctx, gy, needs, factor, weight_factor, weight_scale, accum)
         base = trace.writes.point_base[point.index]
         values = (unbound, weight_unbound, factor, weight_factor, weight_scale)
         sink = trace.sink_gradient([(base + k, v) for k, v in enumerate(values)]
                                    + [(trace.writes.slot_base + point.in_slot, in_scale)])
-        return None, None, None, None, sink, gx, gw, gb
+        return None, None, None, None, sink, *grads
 
 
 class _RefreshMerge(torch.autograd.Function):
@@ -191,9 +176,10 @@ class _RefreshMerge(torch.autograd.Function):
             if trace.options.method == "max_range":
                 limit /= len(tensors)
             scales = [trace.read(c, point.out_slots[i]) for i in present]
-            common, multipliers = _branch_common_scale(ops_for(tensors[0]), tensors, scales, limit)
+            with _no_autocast(tensors[0].device.type):
+                common, multipliers = _branch_common_scale(ops_for(tensors[0]), tensors, scales, limit)
             for i, m in zip(present, multipliers):
-                out[i] = _times(grads[i], m)
+                out[i] = times(grads[i], m)
             trace.write(point.in_slot, common)
             sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, common),
                                         (trace.writes.cache_base[point.name], common)])
@@ -217,13 +203,13 @@ class _RefreshOutput(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
-        factor = _output_factor(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
+        with _no_autocast(g.device.type):
+            factor = _output_factor(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
                                     (trace.writes.cache_base[point.name], factor)])
-        scaled = g * factor.to(g.dtype) if g.dtype == torch.float64 else g.float() * factor
-        return None, None, None, sink, scaled.to(ctx.dtype)
+        return None, None, None, sink, widened(g, factor).to(ctx.dtype)
 
 
 class _RefreshParamUse(torch.autograd.Function):
@@ -233,15 +219,14 @@ class _RefreshParamUse(torch.autograd.Function):
         ctx.save_for_backward(c)
         ctx.point, ctx.trace, ctx.dtypes = point, trace, [p.dtype for p in ps]
         ctx.set_materialize_grads(False)
-        return tuple(p.to(cast) if cast is not None and p.is_floating_point() and p.dtype != cast else p.view_as(p)
-                     for p in ps)
+        return tuple(cast_to(p, cast) for p in ps)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         (c,) = ctx.saved_tensors
         scale = ctx.trace.read(c, ctx.point.slot)
         return (None, None, None, None,
-                *(None if g is None else _divided(g, scale, d) for g, d in zip(grads, ctx.dtypes)))
+                *(None if g is None else divided(g, scale, d) for g, d in zip(grads, ctx.dtypes)))
 
 
 class _RefreshInput(torch.autograd.Function):
@@ -250,14 +235,14 @@ class _RefreshInput(torch.autograd.Function):
                 x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(c)
         ctx.point, ctx.trace, ctx.dtype = point, trace, x.dtype
-        return x.to(cast) if cast is not None and x.is_floating_point() and x.dtype != cast else x.view_as(x)
+        return cast_to(x, cast)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
         trace = ctx.trace
         ratio = trace.read(c, ctx.point.slot) / trace.read(c, 0)
-        return None, None, None, None, _divided(g, ratio, ctx.dtype)
+        return None, None, None, None, divided(g, ratio, ctx.dtype)
 
 
 def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callable[[Any], Callable[..., Any]]:

@@ -78,51 +78,77 @@ class _Layout:
         return values[0] / values[1]
 
 
-def _times(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def times(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """g times a 0-d float32 coefficient, in float32, rounded once to g's dtype (what an eager step's host factor
     does; never the coefficient cast to fp16, where 2**16 is inf)."""
-    if g.dtype == torch.float64:
-        return g * c.double()
-    return (g.float() * c).to(g.dtype)
+    return widened(g, c).to(g.dtype)
 
 
-def _divided(g: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def divided(g: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """g / c in float32 (float64 stays float64), returned in ``dtype``: a parameter gradient leaving backward."""
     quotient = g / c.double() if g.dtype == torch.float64 else g.float() / c
     return quotient.to(dtype)
+
+
+def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating ``t`` in ``dtype`` (None: as it is), always a new tensor object (a view at worst): what a point
+    hands on in the pure low-precision mode."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t.view_as(t)
+
+
+def widened(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """g times c in float32 (float64 stays float64), left in that precision."""
+    return g * c.double() if g.dtype == torch.float64 else g.float() * c
+
+
+def point_forward(ctx: Any, point: ScalePoint, dtype: torch.dtype | None, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None, *saved: torch.Tensor) -> torch.Tensor:
+    """A static scale point's forward: its operands cast as autocast would, the product, and what backward needs
+    saved (``saved``, then the cast input and weight, then the float32 weight)."""
+    xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+    with _no_autocast(x.device.type):
+        y = point.compute(xc, wc, bc)
+    ctx.save_for_backward(*saved, xc, wc, weight)
+    ctx.point = point
+    ctx.shapes = (x.shape, weight.shape)
+    ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    return y
+
+
+def point_gradients(ctx: Any, gy: torch.Tensor, needs: tuple[bool, bool, bool], factor: torch.Tensor,
+                    weight_factor: torch.Tensor, weight_scale: torch.Tensor, bias_scale: torch.Tensor) -> tuple:
+    """(gx, gW, gb) of a static scale point (None where not needed): gx from ``factor`` * gy, gW from
+    ``weight_factor`` * gy divided by ``weight_scale``, gb divided by ``bias_scale`` (gy's own scale), as the eager
+    point computes them."""
+    _, xc, wc, _ = ctx.saved_tensors
+    point = ctx.point
+    x_shape, w_shape = ctx.shapes
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    gx = gw = gb = None
+    with _no_autocast(gy.device.type):
+        if needs[0]:
+            gx = point.input_grad(times(gy, factor), xc, x_shape, wc).to(x_dtype)
+        if needs[1]:
+            gw = divided(point.weight_grad(times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
+        if needs[2]:
+            accumulation = torch.promote_types(gy.dtype, torch.float32)
+            gb = divided(point.bias_grad(gy, accumulation), bias_scale, b_dtype)
+    return gx, gw, gb
 
 
 class _StaticPoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, point: ScalePoint, at: int, dtype: torch.dtype | None, c: torch.Tensor, x: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
-        with _no_autocast(x.device.type):
-            y = point.compute(xc, wc, bc)
-        ctx.save_for_backward(c, xc, wc)
-        ctx.point, ctx.at = point, at
-        ctx.shapes = (x.shape, weight.shape)
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        ctx.at = at
+        return point_forward(ctx, point, dtype, x, weight, bias, c)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        c, xc, wc = ctx.saved_tensors
-        point, at = ctx.point, ctx.at
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[4:7]
-        x_shape, w_shape = ctx.shapes
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        gx = gw = gb = None
-        with _no_autocast(gy.device.type):
-            if needs_x:
-                gx = point.input_grad(_times(gy, c[at]), xc, x_shape, wc).to(x_dtype)
-            if needs_w:
-                gw = point.weight_grad(_times(gy, c[at + 1]), xc, w_shape, wc)
-                gw = _divided(gw, c[at + 2], w_dtype)
-            if needs_b:
-                accumulation = torch.promote_types(gy.dtype, torch.float32)
-                gb = _divided(point.bias_grad(gy, accumulation), c[at + 3], b_dtype)
-        return None, None, None, None, gx, gw, gb
+        c = ctx.saved_tensors[0]
+        at = ctx.at
+        return None, None, None, None, *point_gradients(ctx, gy, ctx.needs_input_grad[4:7], c[at], c[at + 1],
+                                                        c[at + 2], c[at + 3])
 
 
 class _StaticParamUse(torch.autograd.Function):
@@ -131,14 +157,13 @@ class _StaticParamUse(torch.autograd.Function):
         ctx.save_for_backward(c)
         ctx.at, ctx.dtypes = at, [p.dtype for p in ps]
         ctx.set_materialize_grads(False)
-        return tuple(p.to(cast) if cast is not None and p.is_floating_point() and p.dtype != cast else p.view_as(p)
-                     for p in ps)
+        return tuple(cast_to(p, cast) for p in ps)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         (c,) = ctx.saved_tensors
         scale = c[ctx.at]
-        return None, None, None, *(None if g is None else _divided(g, scale, d) for g, d in zip(grads, ctx.dtypes))
+        return None, None, None, *(None if g is None else divided(g, scale, d) for g, d in zip(grads, ctx.dtypes))
 
 
 class _StaticMerge(torch.autograd.Function):
@@ -162,7 +187,7 @@ class _StaticMerge(torch.autograd.Function):
         out = list(grads)
         if len(present) > 1:
             for i in present:
-                out[i] = _times(grads[i], c[ctx.at + i])
+                out[i] = times(grads[i], c[ctx.at + i])
         if not ctx.summed:
             return None, None, None, None, *out
         if not present:
@@ -183,8 +208,7 @@ class _StaticOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
-        scaled = g * c[ctx.at].to(g.dtype) if g.dtype == torch.float64 else g.float() * c[ctx.at]
-        return None, None, scaled.to(ctx.dtype)
+        return None, None, widened(g, c[ctx.at]).to(ctx.dtype)
 
 
 class _StaticInput(torch.autograd.Function):
@@ -192,12 +216,12 @@ class _StaticInput(torch.autograd.Function):
     def forward(ctx, at: int, cast: torch.dtype | None, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(c)
         ctx.at, ctx.dtype = at, x.dtype
-        return x.to(cast) if cast is not None and x.is_floating_point() and x.dtype != cast else x.view_as(x)
+        return cast_to(x, cast)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
-        return None, None, None, _divided(g, c[ctx.at], ctx.dtype)
+        return None, None, None, divided(g, c[ctx.at], ctx.dtype)
 
 
 def _static_call(module: Any, layout: _Layout, dtype: torch.dtype | None, pure: bool) -> Callable[..., Any]:
