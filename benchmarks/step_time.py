@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -61,16 +60,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory
-from benchmarks.workloads import (COMPILED_REFERENCE, COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner,
-                                  Workload, build_initial, refresh_period, synchronizer, workload_for)
-
-# The issue's goals: (variant, quantity, limit).
-TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03, "adaptive-1-graph": 1.10, "adaptive-100-graph": 1.03,
-              "adaptive-1-compiled": 1.10, "adaptive-100-compiled": 1.03}
-#: Beyond GradScaler: on the launch-bound ResNet-20, adaptive with CUDA graphs must beat eager GradScaler.
-FASTER_THAN_REFERENCE = {("resnet20", "adaptive-1-graph"): 1.0}
-MEMORY_GOAL = 1.05
-MEMORY_CHECKED = ("dynamic", "adaptive-1", "adaptive-100")
+from benchmarks.report import report_model
+from benchmarks.workloads import (COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload,
+                                  build_initial, refresh_period, synchronizer, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,88 +156,6 @@ def profile_variants(runners: dict[str, Runner], batches: list, device: str, ste
             sync()
         print(f"\n-- profile: {name}, {steps} steps")
         print(prof.key_averages().table(sort_by=sort, row_limit=rows))
-
-
-# -- report -----------------------------------------------------------------------------------------------------------
-
-def _fmt(value: float | None, spec: str, width: int) -> str:
-    return f"{value:{width}{spec}}" if value is not None and math.isfinite(value) else f"{'-':>{width}}"
-
-
-def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict[str, Any]],
-                 memory: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Print one model's table and goal lines; return the goal checks."""
-    shape = "x".join(str(d) for d in work.input_shape)
-    any_row = next(iter(timing.values()))
-    print(f"\n== {work.model}: input {shape}, batch {work.batch_size}, {dtype} on {device}; "
-          f"{any_row['steps']} timed steps per variant ({work.repeats} repeats x {work.steps}, "
-          f"warmup {work.warmup}), interleaved")
-    ref_mem = memory.get(REFERENCE, {}).get(TENSORS, {}).get("peak_bytes")
-    ref_rss = memory.get(REFERENCE, {}).get(RSS, {}).get("peak_bytes")
-    header = (f"{'variant':<22}{'ms/step':>10}{'ratio':>8}{'repeat range':>16}{'peak MB':>10}{'mem ratio':>11}"
-              f"{'RSS MB':>9}{'RSS ratio':>11}  notes")
-    print(header)
-    print("-" * len(header))
-    for name, row in timing.items():
-        mem = memory.get(name, {})
-        peak, rss = mem.get(TENSORS, {}).get("peak_bytes"), mem.get(RSS, {}).get("peak_bytes")
-        mem_ratio = peak / ref_mem if peak is not None and ref_mem else None
-        rss_ratio = rss / ref_rss if rss is not None and ref_rss else None
-        if peak is not None:
-            row["peak_mb"], row["mem_ratio"] = peak / 2**20, mem_ratio
-        if rss is not None:
-            row["rss_mb"], row["rss_ratio"] = rss / 2**20, rss_ratio
-        spread = (f"{row['repeat_ratio_min']:.3f}-{row['repeat_ratio_max']:.3f}"
-                  if "repeat_ratio_min" in row else "-")
-        notes = []
-        if "ms_amortised" in row:
-            notes.append(f"amortised {row['ms_amortised']:.2f} ms = {row['ratio_amortised']:.3f}x")
-        info = runs.get(name, {})
-        if not name.startswith("adaptive-"):
-            notes.append(f"final scale {info.get('final_scale', float('nan')):g}")
-        if "compiled_steps" in info:
-            notes.append(f"{info['compiled_steps']} steps compiled")
-        if info.get("skipped_steps"):
-            notes.append(f"{info['skipped_steps']} skipped steps")
-        notes += [f"{measure} probe failed: {probe['error']}" for measure, probe in mem.items() if "error" in probe]
-        print(f"{name:<22}{_fmt(row['ms_median'], '.2f', 10)}{_fmt(row.get('ratio'), '.3f', 8)}{spread:>16}"
-              f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}"
-              f"{_fmt(row.get('rss_mb'), '.2f', 9)}{_fmt(rss_ratio, '.3f', 11)}  {'; '.join(notes)}")
-    checks = []
-    for name, limit in TIME_GOALS.items():
-        row = timing.get(name)
-        if row is None or "ratio" not in row:
-            continue
-        amortised = "ratio_amortised" in row
-        value = row["ratio_amortised"] if amortised else row["ratio"]
-        label = f"{name}/{REFERENCE} step time" + (" (amortised)" if amortised else "")
-        checks.append({"model": work.model, "goal": label, "value": value, "limit": limit})
-    compiled_reference = timing.get(COMPILED_REFERENCE)
-    for name in COMPILED_VARIANTS:
-        row = timing.get(name)
-        if name == COMPILED_REFERENCE or row is None or compiled_reference is None or "ratio" not in row:
-            continue
-        # Against GradScaler on the same compiled model: what the scale logic costs where both are compiled.
-        value = row.get("ratio_amortised", row["ratio"]) / compiled_reference["ratio"]
-        checks.append({"model": work.model, "goal": f"{name}/{COMPILED_REFERENCE} step time"
-                       + (" (amortised)" if "ratio_amortised" in row else ""), "value": value,
-                       "limit": TIME_GOALS[name]})
-    for (model, name), limit in FASTER_THAN_REFERENCE.items():
-        row = timing.get(name)
-        if model == work.model and row is not None and "ratio" in row:
-            checks.append({"model": model, "goal": f"{name}/{REFERENCE} step time, faster than eager "
-                                                   f"{REFERENCE}", "value": row["ratio"], "limit": limit})
-    for name in MEMORY_CHECKED:
-        row = timing.get(name)
-        if row is not None and row.get("mem_ratio") is not None:
-            delta = row["peak_mb"] - timing[REFERENCE]["peak_mb"]
-            checks.append({"model": work.model, "goal": f"{name}/{REFERENCE} peak tensor memory ({delta:+.2f} MB)",
-                           "value": row["mem_ratio"], "limit": MEMORY_GOAL})
-    for check in checks:
-        check["pass"] = bool(check["value"] <= check["limit"])
-        print(f"{'PASS' if check['pass'] else 'MISS'}  {work.model}: {check['goal']} = {check['value']:.3f} "
-              f"(goal <= {check['limit']:.2f})")
-    return checks
 
 
 def environment(device: str) -> dict[str, Any]:

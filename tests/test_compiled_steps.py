@@ -209,6 +209,16 @@ def test_compile_for_other_methods_compiles_the_model_in_place():
     assert plain._compiled_call_impl is None
 
 
+def test_cuda_graphs_of_compiled_steps_are_refused():
+    from adaloss_cli.backends.torch.graphs import GraphedStep
+
+    model = _Net()
+    scaler = LossScaler(model, "adaptive", compile=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    with pytest.raises(ValueError, match="compile=True"):
+        GraphedStep(scaler, optimizer, lambda x, y: F.cross_entropy(model(x), y))
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"backend": "chainer"}, "torch.compile is PyTorch only"),
     ({"training": {"cuda_graphs": True}}, "choose one"),

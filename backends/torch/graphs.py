@@ -120,6 +120,9 @@ class GraphedStep:
                              "eager steps there")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
+        if scaler.state is not None and scaler.state.compile_steps:
+            raise ValueError("GraphedStep replays eager steps; its LossScaler was built with compile=True (choose "
+                             "one: CUDA graphs or compiled steps)")
         self._rates = graph_safe_optimizer(optimizer)
         self.scaler, self.optimizer, self.loss_fn = scaler, optimizer, loss_fn
         self.before_step = before_step
