@@ -70,10 +70,10 @@ class ScaleState(ScaleSchedule):
         #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
         #: steps between refreshes (``compiled_steps.py``) gather their coefficients again when it moves.
         self.generation = 0
-        #: Whether steps between refreshes run compiled (``LossScaler(..., compile=True)``).
+        #: Whether refresh steps and steps between refreshes run compiled (``LossScaler(..., compile=True)``).
         self.compile_steps = False
-        #: Forward calls that ran a compiled step between refreshes (what tests and the benchmark check), and the
-        #: captured graphs' ``CompiledSteps`` objects.
+        #: Forward calls that ran a compiled step (what tests and the benchmark check), and the captured graphs'
+        #: ``CompiledSteps`` objects.
         self.compiled_steps = 0
         self.compiled_graphs: list[Any] = []
         self.init_schedule(options)
@@ -224,7 +224,8 @@ class ScaleState(ScaleSchedule):
             table = torch.full((max(plan.num_slots, 1),), self.loss_scale, dtype=torch.float32, device=self.device)
         return Execution(self, plan, table)
 
-    def expect_refresh(self, execution: "Execution", sink: torch.Tensor, writes: Any, loss_scale: torch.Tensor) -> None:
+    def expect_refresh(self, execution: "Execution", sink: torch.Tensor, writes: Any,
+                       loss_scale: torch.Tensor) -> None:
         """A compiled refresh step ran forward (``compiled_refresh.py``): once its backward has run, the gradient of
         ``sink`` holds what the refresh stores, and :meth:`settle` copies it in (``writes`` says where)."""
         self._pending.append((execution, sink, writes, loss_scale))
