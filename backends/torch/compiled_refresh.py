@@ -32,9 +32,9 @@ from adaloss_cli.core.branches import _branch_common_scale
 from adaloss_cli.core.range_bounds import _output_factor
 from adaloss_cli.core.scale_steps import refresh_factors
 
-from .compiled_steps import cast_to, divided, point_forward, point_gradients, times, widened
+from .compiled_steps import cast_to, point_forward, point_gradients
 from .points import ScalePoint, _no_autocast
-from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse
+from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, divide_to, times
 from .scale_state import Execution, GraphPlan, ScaleState
 
 __all__ = ["RefreshWrites", "refresh_call"]
@@ -209,7 +209,7 @@ class _RefreshOutput(torch.autograd.Function):
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
                                     (trace.writes.cache_base[point.name], factor)])
-        return None, None, None, sink, widened(g, factor).to(ctx.dtype)
+        return None, None, None, sink, times(g, factor).to(ctx.dtype)
 
 
 class _RefreshParamUse(torch.autograd.Function):
@@ -226,7 +226,7 @@ class _RefreshParamUse(torch.autograd.Function):
         (c,) = ctx.saved_tensors
         scale = ctx.trace.read(c, ctx.point.slot)
         return (None, None, None, None,
-                *(None if g is None else divided(g, scale, d) for g, d in zip(grads, ctx.dtypes)))
+                *(None if g is None else divide_to(g, scale, d) for g, d in zip(grads, ctx.dtypes)))
 
 
 class _RefreshInput(torch.autograd.Function):
@@ -242,7 +242,7 @@ class _RefreshInput(torch.autograd.Function):
         (c,) = ctx.saved_tensors
         trace = ctx.trace
         ratio = trace.read(c, ctx.point.slot) / trace.read(c, 0)
-        return None, None, None, None, divided(g, ratio, ctx.dtype)
+        return None, None, None, None, divide_to(g, ratio, ctx.dtype)
 
 
 def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callable[[Any], Callable[..., Any]]:

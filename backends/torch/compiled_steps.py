@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from .points import ScalePoint, _cast, _no_autocast
-from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, compute_dtype
+from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, compute_dtype, divide_to, times
 from .scale_state import GraphPlan, ScaleState
 
 __all__ = ["CompiledSteps"]
@@ -78,27 +78,10 @@ class _Layout:
         return values[0] / values[1]
 
 
-def times(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """g times a 0-d float32 coefficient, in float32, rounded once to g's dtype (what an eager step's host factor
-    does; never the coefficient cast to fp16, where 2**16 is inf)."""
-    return widened(g, c).to(g.dtype)
-
-
-def divided(g: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """g / c in float32 (float64 stays float64), returned in ``dtype``: a parameter gradient leaving backward."""
-    quotient = g / c.double() if g.dtype == torch.float64 else g.float() / c
-    return quotient.to(dtype)
-
-
 def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A floating ``t`` in ``dtype`` (None: as it is), always a new tensor object (a view at worst): what a point
     hands on in the pure low-precision mode."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t.view_as(t)
-
-
-def widened(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """g times c in float32 (float64 stays float64), left in that precision."""
-    return g * c.double() if g.dtype == torch.float64 else g.float() * c
 
 
 def point_forward(ctx: Any, point: ScalePoint, dtype: torch.dtype | None, x: torch.Tensor, weight: torch.Tensor,
@@ -129,10 +112,10 @@ def point_gradients(ctx: Any, gy: torch.Tensor, needs: tuple[bool, bool, bool], 
         if needs[0]:
             gx = point.input_grad(times(gy, factor), xc, x_shape, wc).to(x_dtype)
         if needs[1]:
-            gw = divided(point.weight_grad(times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
+            gw = divide_to(point.weight_grad(times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
         if needs[2]:
             accumulation = torch.promote_types(gy.dtype, torch.float32)
-            gb = divided(point.bias_grad(gy, accumulation), bias_scale, b_dtype)
+            gb = divide_to(point.bias_grad(gy, accumulation), bias_scale, b_dtype)
     return gx, gw, gb
 
 
@@ -163,7 +146,7 @@ class _StaticParamUse(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         (c,) = ctx.saved_tensors
         scale = c[ctx.at]
-        return None, None, None, *(None if g is None else divided(g, scale, d) for g, d in zip(grads, ctx.dtypes))
+        return None, None, None, *(None if g is None else divide_to(g, scale, d) for g, d in zip(grads, ctx.dtypes))
 
 
 class _StaticMerge(torch.autograd.Function):
@@ -208,7 +191,7 @@ class _StaticOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
-        return None, None, widened(g, c[ctx.at]).to(ctx.dtype)
+        return None, None, times(g, c[ctx.at]).to(ctx.dtype)
 
 
 class _StaticInput(torch.autograd.Function):
@@ -221,7 +204,7 @@ class _StaticInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
-        return None, None, None, divided(g, c[ctx.at], ctx.dtype)
+        return None, None, None, divide_to(g, c[ctx.at], ctx.dtype)
 
 
 def _static_call(module: Any, layout: _Layout, dtype: torch.dtype | None, pure: bool) -> Callable[..., Any]:
