@@ -95,12 +95,13 @@ def _check_coefficients(state, graph):
     assert len(values) == 4 * 4 + 2 + 2 + 1 + 1
 
 
-def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False) -> LossScaler:
-    """Train with compiled steps (every 2nd step refreshes); on each, run the same batch on the same weights
-    through the eager step too and compare every parameter gradient, and after a refresh everything it stored."""
+def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
+                        period: int = 2) -> LossScaler:
+    """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
+    weights through the eager step too and compare every gradient, and after a refresh everything it stored."""
     torch.manual_seed(0)
     model = _Net().to(device)
-    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=2)
+    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=period)
     if pure:  # every activation in fp16, cast inside the graph
         scaler.set_pure_dtype(autocast_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -155,20 +156,21 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
             torch.testing.assert_close(tables[0], want_tables[0], rtol=0, atol=0)
         scaler.step(optimizer)
         scaler.update()
-    assert refreshes >= 2 and len(factors_seen) >= 2
-    assert any(not torch.equal(factors_seen[0], f) for f in factors_seen[1:])
+    assert refreshes >= 2
+    if period > 1:
+        assert len(factors_seen) >= 2 and any(not torch.equal(factors_seen[0], f) for f in factors_seen[1:])
     return scaler
 
 
-def test_compiled_steps_give_the_eager_gradients_and_refreshes_in_float32():
-    scaler = _compare_with_eager("cpu", None, rtol=1e-5)
+def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32():
+    # Refreshes only (one compiled graph, for the suite's time): the steps between refreshes are compared in fp16.
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=3, period=1)
     assert len(scaler.state.names) == 4  # stem, two convs and fc are scale points
 
 
-@pytest.mark.parametrize("mode", ["autocast", "pure"])
-def test_compiled_steps_give_the_eager_gradients_and_refreshes_in_fp16(mode):
+def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
     # Inductor keeps fused element-wise intermediates in float32 where eager rounds each to fp16: a few fp16 ulps.
-    _compare_with_eager("cpu", torch.float16, rtol=1e-2, pure=mode == "pure")
+    _compare_with_eager("cpu", torch.float16, rtol=1e-2)
 
 
 def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch):
@@ -232,9 +234,10 @@ def test_compile_in_a_config_that_cannot_use_it_is_refused(invoke, tmp_path, ove
 
 
 def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, tmp_path):
+    """End to end in the pure fp16 mode (every activation fp16, cast inside the compiled graph too)."""
     losses = {}
     for compile_on in (False, True):
-        config = write_config(tmp_path / f"c{compile_on}.yaml", precision={"dtype": "float32"},
+        config = write_config(tmp_path / f"c{compile_on}.yaml", precision={"dtype": "float16", "mode": "pure"},
                               loss_scaling={"method": "adaptive", "adaptive": {"update_per_n_iteration": 3}},
                               training={"compile": compile_on, "iterations": 6})
         out = tmp_path / f"run{compile_on}"
@@ -243,7 +246,7 @@ def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, 
         import json
         losses[compile_on] = [json.loads(line)["loss"] for line in (out / "steps.jsonl").read_text().splitlines()]
     assert len(losses[True]) == 6
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2)
 
 
 # --- on a GPU -------------------------------------------------------------------------------------------------------
