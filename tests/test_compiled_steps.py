@@ -52,14 +52,32 @@ class _Net(nn.Module):
         return self.fc(self.ln(self.block(self.stem(x)).mean((2, 3))))
 
 
+class _TwoHeads(_Net):
+    """A second head that the loss does not use. Eagerly the branch feeding both heads gets one gradient (passed
+    through with its scale) and the head's parameters none; the compiled backward, like torch.compile's, takes a
+    zero gradient for the unused output, and must still store what the eager refresh stores."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__(width)
+        self.aux = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.ln(self.block(self.stem(x)).mean((2, 3)))
+        return self.fc(h), self.aux(h)
+
+
 def _gradients(model, scaler, x, y, autocast_dtype, pure=False):
-    """Every parameter's gradient, and the input's when it requires one (last)."""
+    """Every parameter's gradient that backward produced, and the input's when it requires one (last)."""
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(x.requires_grad)
     with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None and not pure):
-        loss = F.cross_entropy(model(x), y)
+        out = model(x)
+        loss = F.cross_entropy(out[0] if isinstance(out, tuple) else out, y)
     scaler.scale(loss).backward()
-    return [p.grad.clone() for p in model.parameters()] + ([x.grad.clone()] if x.requires_grad else [])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    if x.requires_grad:
+        grads["input"] = x.grad.clone()
+    return grads
 
 
 def _stored(state):
@@ -96,11 +114,11 @@ def _check_coefficients(state, graph):
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
-                        period: int = 2) -> LossScaler:
+                        period: int = 2, net: type = _Net) -> LossScaler:
     """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
     weights through the eager step too and compare every gradient, and after a refresh everything it stored."""
     torch.manual_seed(0)
-    model = _Net().to(device)
+    model = net().to(device)
     scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=period)
     if pure:  # every activation in fp16, cast inside the graph
         scaler.set_pure_dtype(autocast_dtype)
@@ -135,9 +153,12 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         state.compile_steps = False
         eager = _gradients(model, scaler, x, y, autocast_dtype, pure)
         state.compile_steps = True
-        names = [name for name, _ in model.named_parameters()] + ["input"]
-        assert len(compiled) == len(eager) == len(names)
-        for name, a, b in zip(names, compiled, eager):
+        # A parameter the loss does not reach gets no gradient eagerly, and a zero one from the compiled backward
+        # (which, as torch.compile's, takes zeros for the gradient of an unused output).
+        assert eager.keys() <= compiled.keys() and "input" in eager
+        assert all(not compiled[name].any() for name in compiled.keys() - eager.keys())
+        for name, b in eager.items():
+            a = compiled[name]
             assert torch.isfinite(b).all(), name
             scale = b.abs().max().clamp_min(1e-30)
             assert ((a - b).abs().max() / scale).item() <= rtol, name
@@ -164,8 +185,9 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
 
 def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32():
     # Refreshes only (one compiled graph, for the suite's time): the steps between refreshes are compared in fp16.
-    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=3, period=1)
-    assert len(scaler.state.names) == 4  # stem, two convs and fc are scale points
+    # With a head the loss ignores (see _TwoHeads).
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=3, period=1, net=_TwoHeads)
+    assert len(scaler.state.names) == 5  # stem, two convs, fc and aux are scale points
 
 
 def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
@@ -190,8 +212,7 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
         for _ in range(4):
             got = _gradients(model, scaler, x, y, None)
             want = _gradients(reference, plain, x, y, None)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
             for s in (scaler, plain):
                 s.step(torch.optim.SGD(s.model.parameters(), lr=0.0))
                 s.update()

@@ -104,7 +104,8 @@ class _Trace:
         return c[0] if found is None else found
 
     def write(self, slot: int, value: torch.Tensor) -> None:
-        """A point's outgoing scale, for the points above it (and for the table the refresh stores)."""
+        """A point's outgoing scale, for the points above it; the point also puts it in its sink gradient, for the
+        table the refresh stores."""
         self.slots[slot] = value
         self.writes.written_slots.add(slot)
 
@@ -169,7 +170,9 @@ class _RefreshMerge(torch.autograd.Function):
         out = list(grads)
         sink = None
         if len(present) == 1:
-            trace.write(point.in_slot, trace.read(c, point.out_slots[present[0]]))
+            scale = trace.read(c, point.out_slots[present[0]])
+            trace.write(point.in_slot, scale)
+            sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale)])
         elif present:
             tensors = [grads[i] for i in present]
             limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom
