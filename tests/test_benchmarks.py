@@ -46,17 +46,20 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     assert gpt["launches"]["adaptive-1"]["host_reads"] == 1
 
 
-def test_compiled_adaptive_steps_all_run_compiled_in_the_benchmark(tmp_path):
-    out = tmp_path / "bench.json"
-    done = run_benchmarks("--quick", "--no-memory", "--models", "mlp", "--warmup", "3", "--variants",
-                          "adaptive-100-compiled", "--json", str(out))
-    assert done.returncode == 0, done.stderr
-    results = json.loads(out.read_text())["models"]["mlp"]
-    # Every timed step ran compiled (the warm-up steps compile, a refresh's graph first).
-    steps = results["timing"]["adaptive-100-compiled"]["steps"]
-    assert results["runs"]["adaptive-100-compiled"]["compiled_steps"] == 3 + steps
-    assert re.search(r"^(PASS|MISS)  mlp: adaptive-100-compiled/gradscaler step time = [\d.]+", done.stdout,
-                     re.M), done.stdout
+def test_compiled_variants_build_compiled_scalers_and_report_their_compiled_steps():
+    """What each compiled variant runs (no step is taken: compiling costs the suite's time; the compiled steps
+    themselves are tested in test_compiled_steps.py)."""
+    import torch
+
+    from benchmarks.workloads import Runner, build_initial, workload_for
+
+    initial, _ = build_initial(workload_for("mlp", "cpu", True), "cpu")
+    adaptive = Runner("adaptive-100-compiled", initial, "float16", "cpu")
+    assert adaptive.scaler.state.compile_steps and adaptive.scaler.state.options.update_per_n_iteration == 100
+    assert adaptive.summary()["compiled_steps"] == 0  # printed as a note, so an eager fallback shows
+    reference = Runner("gradscaler-compiled", initial, "float16", "cpu")
+    assert isinstance(reference.scaler, torch.amp.GradScaler) and reference.model._compiled_call_impl is not None
+    assert Runner("gradscaler", initial, "float16", "cpu").model._compiled_call_impl is None
 
 
 def test_compiled_variants_are_checked_against_both_gradscalers(capsys):
