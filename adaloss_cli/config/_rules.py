@@ -140,12 +140,19 @@ def _chainer_builds_no_transformers(values: Values, collector: ProblemCollector)
                                    "classifiers only (use backend: torch with model.name gpt)")
 
 
-def _cuda_graphs_supported(values: Values, collector: ProblemCollector) -> None:
-    if values.get("training.cuda_graphs") is not True:
-        return
+def _torch_only(values: Values, collector: ProblemCollector, key: str, what: str) -> bool:
+    """Whether the PyTorch-only switch ``key`` is on; refused with backend chainer (``what`` names the feature)."""
+    if values.get(key) is not True:
+        return False
     if values.get("backend") == "chainer":
-        collector.add("training.cuda_graphs", "got true with backend chainer; CUDA graphs are PyTorch only "
-                                              "(use backend: torch, or cuda_graphs: false)")
+        collector.add(key, f"got true with backend chainer; {what} PyTorch only (use backend: torch, or "
+                           f"{key.rsplit('.', 1)[-1]}: false)")
+    return True
+
+
+def _cuda_graphs_supported(values: Values, collector: ProblemCollector) -> None:
+    if not _torch_only(values, collector, "training.cuda_graphs", "CUDA graphs are"):
+        return
     if values.get("device") == "cpu":
         collector.add("training.cuda_graphs", "got true with device cpu; CUDA graphs need device cuda or auto")
     accum = values.get("training.grad_accum_steps")
@@ -155,11 +162,8 @@ def _cuda_graphs_supported(values: Values, collector: ProblemCollector) -> None:
 
 
 def _compile_supported(values: Values, collector: ProblemCollector) -> None:
-    if values.get("training.compile") is not True:
+    if not _torch_only(values, collector, "training.compile", "torch.compile is"):
         return
-    if values.get("backend") == "chainer":
-        collector.add("training.compile", "got true with backend chainer; torch.compile is PyTorch only (use "
-                                          "backend: torch, or compile: false)")
     if values.get("training.cuda_graphs") is True:
         collector.add("training.compile", "got true with cuda_graphs true; choose one: a CUDA graph replays the "
                                           "eager step without Python already (set compile: false or "
