@@ -32,9 +32,9 @@ from adaloss_cli.core.branches import _branch_common_scale
 from adaloss_cli.core.range_bounds import _output_factor
 from adaloss_cli.core.scale_steps import refresh_factors
 
-from .compiled_steps import cast_to, point_forward, point_gradients
+from .compiled_steps import point_forward, point_gradients
 from .points import ScalePoint, _no_autocast
-from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, divide_to, times
+from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to, times
 from .scale_state import Execution, GraphPlan, ScaleState
 
 __all__ = ["RefreshWrites", "refresh_call"]

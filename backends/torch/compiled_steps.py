@@ -26,7 +26,8 @@ import torch
 from torch import fx
 
 from .points import ScalePoint, _cast, _no_autocast
-from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, compute_dtype, divide_to, times
+from .scale_ops import (Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, compute_dtype, divide_to,
+                        times)
 from .scale_state import GraphPlan, ScaleState
 
 __all__ = ["CompiledSteps"]
@@ -76,12 +77,6 @@ class _Layout:
             self._index = (key, index.to(flat.device))
         values = flat[self._index[1]]
         return values[0] / values[1]
-
-
-def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A floating ``t`` in ``dtype`` (None: as it is), always a new tensor object (a view at worst): what a point
-    hands on in the pure low-precision mode."""
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t.view_as(t)
 
 
 def point_forward(ctx: Any, point: ScalePoint, dtype: torch.dtype | None, x: torch.Tensor, weight: torch.Tensor,

@@ -333,9 +333,14 @@ class _Input(torch.autograd.Function):
         return None, None, divide_to(g, table[ctx.point.slot] / table[0], ctx.dtype)
 
 
+def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating ``t`` in ``dtype`` (None: as it is), always a new tensor object (a view at worst): what a point
+    hands on in the pure low-precision mode."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t.view_as(t)
+
+
 def _pure_cast(execution: Execution, x: torch.Tensor) -> torch.Tensor:
-    dtype = execution.compute_dtype
-    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x.view_as(x)
+    return cast_to(x, execution.compute_dtype)
 
 
 class InputPoint(nn.Module):
