@@ -17,16 +17,14 @@ are all-reduced before that read, so every process takes the same decision and l
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from adaloss_cli.backends.base import OUTPUT_RECORD, LayerRecord
+from adaloss_cli.backends.base import LayerRecord
 from adaloss_cli.config.loader import scaling_config
 from adaloss_cli.config.schema import LossScalingConfig
 from adaloss_cli.core.adaptive import AdaptiveOptions
@@ -34,24 +32,8 @@ from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
 
 from .capture import compiled, install
 from .graph_transform import TransformError
+from .recording import describe_points, layer_records, run_reference_pass
 from .scale_state import ScaleState
-
-
-@contextmanager
-def _preserved_rng_and_buffers(model: nn.Module) -> Iterator[None]:
-    """Run a side computation without changing the RNG streams or any buffer (batch-norm statistics)."""
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -348,24 +330,13 @@ class LossScaler:
         if model is None or state is None:
             return self.model
         try:
-            with _preserved_rng_and_buffers(self.model):
-                state.reference_pass = True
-                try:
-                    loss, inputs = reference_loss(model)
-                    torch.autograd.grad(loss, inputs)
-                finally:
-                    state.reference_pass = False
+            run_reference_pass(self.model, model, state, reference_loss)
         except TransformError as err:
             if self.method == "adaptive":
                 raise
             warnings.warn(f"underflow is not measured: {err}", stacklevel=2)
             self._measuring = False
             return self.model
-        state.recording = True
-        state.mark_stale()  # the reference pass ran the points: the next backward recomputes
-        state.view("underflow")[:] = float("nan")
-        state.output_records.clear()
-        state.zeroed.clear()
         if self.method != "adaptive":
             state.set_loss_scale(self.policy.scale)
         return model
@@ -376,41 +347,11 @@ class LossScaler:
         The first records are the model outputs (``output``), where the float32 loss gradient is cast to the
         model's dtype; then every scale point by name, in the order the forward first called them."""
         state = self._active_state()
-        if state is None or not state.names:
-            return []
-        n = len(state.names)
-        adaptive = state.adaptive
-        arrays = state.arrays
-        columns = [arrays["unbound"][:n], arrays["factor"][:n], arrays["in_scale"][:n], arrays["underflow"][:n],
-                   arrays["weight_scale"][:n]]
-        rows = torch.stack(columns).tolist()
-        records = []
-        for name, value in sorted(state.output_records.items()):
-            factor = float(state.cache(name)) if adaptive else 1.0
-            records.append(LayerRecord(layer=OUTPUT_RECORD if name == "output" else name, unbound_factor=factor,
-                                       factor=factor, accumulated_scale=factor * state.loss_scale,
-                                       underflow_fraction=float(value)))
-        zeroed = state.zeroed
-        for i, (name, unbound, factor, scale, underflow, weight_scale) in enumerate(zip(state.names, *rows)):
-            if not adaptive:
-                unbound = factor = 1.0
-                weight_scale = scale
-            records.append(LayerRecord(layer=name, unbound_factor=unbound, factor=factor, accumulated_scale=scale,
-                                       underflow_fraction=underflow, weight_scale=weight_scale,
-                                       zeroed_fraction=float(zeroed[name]) if name in zeroed else math.nan))
-        return records
+        return layer_records(state) if state is not None else []
 
     def describe(self) -> str:
         """The adaptive scale points as a table (name, operation, fan); they are found when the model first runs."""
-        state = self.state
-        if state is None:
-            return ""
-        if not state.names:
-            return "adaptive scaling: scale points are found when the model first runs"
-        width = max(len(name) for name in state.names)
-        lines = [f"adaptive scaling ({state.options.method}): {len(state.names)} scale points"]
-        lines += [f"  {name:<{width}}  {kind:<14} fan {fan}" for name, (kind, fan) in state.kinds.items()]
-        return "\n".join(lines)
+        return describe_points(self.state) if self.state is not None else ""
 
     # -- state -----------------------------------------------------------------------------------------------------
 
