@@ -31,8 +31,9 @@ from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, li
 from adaloss_cli.errors import UserError
 
 from ._compat import import_chainer
-from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, ScaleState, _BranchNode,
-                           _OutputNode, measure_input, scaled_convolution_2d, scaled_linear)
+from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, _BranchNode, _OutputNode,
+                           measure_input, scaled_convolution_2d, scaled_linear)
+from .scale_state import ScaleState
 
 chainer = import_chainer()
 F = chainer.functions
