@@ -9,9 +9,11 @@ tensors under ``torch.profiler``, and
 - ``launches``: the leaf operations that do work (ATen operations with no ATen operation inside them, less views,
   metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes before it runs
   (of an elementwise operation's operand of another dtype, of a 0-d operand such as a Python number) are left out
-  of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). For the fused variant
-  (``adaptive-1-fused``, the compiled refresh, ``LossScaler(fused=True)``), each call of a compiled region adds the
-  kernels Inductor generated for it (``torch._inductor.metrics``), averaged over its compiled graphs;
+  of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). Code Inductor compiled (the
+  fused variant ``adaptive-1-fused``, ``LossScaler(fused=True)``; the ``-compiled`` variants, counted when asked
+  for) adds each generated kernel it runs, as one launch: they are compiled with ``cpp.enable_kernel_profile``, so
+  the profiler names every C++ kernel run (``..._cpp_fused_...``), where CUDA would run one Triton kernel per fused
+  group. The extern kernels a compiled graph calls (GEMM, convolution) are ATen operations, counted as such;
 - ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
   skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read;
 - ``host ms`` (:func:`host_times`): the time of a step on the same code path at the ``--quick`` sizes, where CPU
@@ -28,17 +30,21 @@ import copy
 from collections import Counter
 from typing import Any, Callable
 
+from benchmarks.profiling import profiled
+
 # ATen operations that launch no kernel: views, metadata, allocations.
 _NO_KERNEL = frozenset({
     "view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "detach", "alias", "slice", "select",
     "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "_reshape_alias", "reshape", "view_as",
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_", "resize_",
     "result_type", "is_nonzero", "size", "stride", "numel", "_nnpack_available", "promote_types", "resolve_conj",
-    "resolve_neg", "_local_scalar_dense", "item",
+    "resolve_neg", "_local_scalar_dense", "item", "flatten", "unflatten",
     "to"})  # ``to`` itself launches nothing: a conversion that copies does so in its ``_to_copy`` child
 # Elementwise ATen operations (TensorIterator): on CUDA they read operands of another dtype as they are.
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "where", "lt", "le", "gt", "ge", "eq",
                           "ne", "pow", "logical_and", "logical_or", "bitwise_and", "bitwise_or"})
+#: How the profiler names a C++ kernel Inductor generated, compiled with ``cpp.enable_kernel_profile``.
+_GENERATED_KERNEL = "_cpp_fused_"
 #: The extra variant this module adds: adaptive-1 with the compiled (fused) refresh.
 FUSED = "adaptive-1-fused"
 
@@ -46,23 +52,21 @@ FUSED = "adaptive-1-fused"
 def count_step(step: Any) -> dict[str, Any]:
     """Operations, launches and host reads of one call of ``step()`` (see the module docstring)."""
     import torch
-    from torch._inductor import metrics
 
     lists = []  # ``tolist`` reads without dispatching an ATen operation: counted at the call
     tolist = torch.Tensor.tolist
     torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)  # type: ignore[method-assign]
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            step()
+        prof = profiled(step, activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
     finally:
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
     reads = len(lists)
     events = [event for event in prof.events() if not _cpu_only(event)]
     leaves: Counter = Counter()
-    ops = compiled_calls = 0
+    ops = 0
     for event in events:
-        if event.name == "AOTDispatcher Runtime Wrapper Prologue":  # one call of an Inductor-compiled region
-            compiled_calls += 1
+        if _GENERATED_KERNEL in event.name:  # one kernel Inductor generated (see the module docstring)
+            leaves["(generated)"] += 1
         if not event.name.startswith("aten::"):
             continue
         ops += 1
@@ -71,9 +75,8 @@ def count_step(step: Any) -> dict[str, Any]:
         if name not in _NO_KERNEL and not any(c.name.startswith("aten::") and not _cpu_only(c)
                                               for c in event.cpu_children):
             leaves[name] += 1
-    per_graph = getattr(metrics, "generated_kernel_count", 0) / max(getattr(metrics, "_adaloss_graphs", 0), 1)
-    return {"ops": ops, "launches": sum(leaves.values()) + round(compiled_calls * per_graph),
-            "host_reads": reads, "top": leaves.most_common(8)}
+    return {"ops": ops, "launches": sum(leaves.values()), "generated": leaves["(generated)"], "host_reads": reads,
+            "top": leaves.most_common(8)}
 
 
 def _cpu_only(event: Any) -> bool:
@@ -92,29 +95,20 @@ def _cpu_only(event: Any) -> bool:
 
 
 def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
-    """Per eager variant (plus the fused adaptive-1), the counts of one step after three warm-up steps. (A captured
-    step is one graph launch: the graph variants are counted on a GPU only.)"""
+    """Per eager or compiled variant (plus the fused adaptive-1), the counts of one step after three warm-up steps.
+    (A captured step is one graph launch: the graph variants are counted on a GPU only.)"""
     import torch
-    from torch._inductor import metrics
 
     from adaloss_cli.core.array_ops import device_scalars
     from benchmarks.workloads import Runner, build_initial
 
     initial, batches = build_initial(work, "cpu")
     results = {}
-    graphs = torch._dynamo.utils.counters["stats"]
-    with device_scalars():
+    with device_scalars(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         for name in list(variants) + [FUSED]:
-            runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu")
-            runner.step(*batches[0])  # the model's own capture, before anything is counted
-            if name == FUSED:
-                runner.scaler.state.use_fused_refresh(True)
-                metrics.reset()
-                before = graphs["unique_graphs"]
-            for k in range(3):
+            runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu", fused=name == FUSED)
+            for k in range(4):  # the model's own capture, then (compiled) steps of each kind
                 runner.step(*batches[k % len(batches)])
-            if name == FUSED:  # the refresh graphs compiled during the warm-up, for kernels per graph
-                metrics._adaloss_graphs = graphs["unique_graphs"] - before
             results[name] = count_step(lambda: runner.step(*batches[0]))
     return results
 
@@ -140,15 +134,17 @@ def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -
     """On a GPU, per variant and step: CUDA kernels run, the time the GPU was busy with them (ms) and host reads
     (``item``/``tolist``), from torch's profiler over ``steps`` steps after the timing (warm, graphs captured)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    def run(runner: Any) -> None:
+        for k in range(steps):
+            runner.step(*batches[k % len(batches)])
+        torch.cuda.synchronize()
 
     results = {}
     for name, runner in runners.items():
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for k in range(steps):
-                runner.step(*batches[k % len(batches)])
-            torch.cuda.synchronize()
+        prof = profiled(lambda: run(runner), activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         events = prof.events()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         results[name] = {"kernels": len(kernels) / steps,

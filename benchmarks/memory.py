@@ -22,13 +22,13 @@ a few steps.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from benchmarks.profiling import profiled
 from benchmarks.workloads import Runner, Workload, build_initial
 
 #: What a probe measures: live tensor bytes, or the process's resident set (CPU only).
@@ -74,16 +74,9 @@ def cpu_tensor_peak(run: Callable[[], None]) -> int:
     credits them: the probe allocates everything it frees inside the measurement.
     """
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # kineto announces its start and stop on stderr
-        prof.start()
-    try:
-        run()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
+    prof = profiled(run, activities=[ProfilerActivity.CPU], profile_memory=True)
     changes = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
@@ -96,20 +89,6 @@ def cpu_tensor_peak(run: Callable[[], None]) -> int:
         live += size
         peak = max(peak, live)
     return peak
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null for the block: C++ libraries write there directly."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:

@@ -144,16 +144,21 @@ def summarise_times(times: dict[str, list[list[float]]]) -> dict[str, dict[str, 
 
 def profile_variants(runners: dict[str, Runner], batches: list, device: str, steps: int, rows: int = 15) -> None:
     """torch.profiler's top operators (by self time) over ``steps`` steps of every variant."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from benchmarks.profiling import profiled
 
     sync = synchronizer(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+
+    def run(runner: Runner) -> None:
+        for k in range(steps):
+            runner.step(*batches[k % len(batches)])
+        sync()
+
     for name, runner in runners.items():
-        with profile(activities=activities) as prof:
-            for k in range(steps):
-                runner.step(*batches[k % len(batches)])
-            sync()
+        prof = profiled(lambda: run(runner), activities=activities)
         print(f"\n-- profile: {name}, {steps} steps")
         print(prof.key_averages().table(sort_by=sort, row_limit=rows))
 
@@ -234,7 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "instead of the plain device path")
     parser.add_argument("--launches", action="store_true",
                         help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
-                             "tensors, and on cpu time that path's steps at --quick sizes, where the host's Python "
+                             "tensors (compiled variants: each kernel Inductor generated counts as one), and on cpu "
+                             "time the eager variants' steps on that path at --quick sizes, where the host's Python "
                              "and dispatch dominate (GPU-cost proxies measurable anywhere; see benchmarks.launches); "
                              "on cuda also the CUDA kernels each variant runs and the GPU's busy time")
     parser.add_argument("--profile", action="store_true",
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 report_cuda(model_name, kernels)
                 results["models"][model_name]["cuda_kernels"] = kernels
             eager = [name for name in args.variants if name not in GRAPH_VARIANTS + COMPILED_VARIANTS]
-            counts = count_variants(work, eager, args.dtype)
+            counts = count_variants(work, [name for name in args.variants if name not in GRAPH_VARIANTS], args.dtype)
             host = None
             if kind != "cuda":  # (on a GPU the eager ratios themselves are measured; its time is scarce)
                 tiny = replace(workload_for(model_name, "cpu", True), warmup=3, steps=15, repeats=2)

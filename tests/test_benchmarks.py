@@ -35,6 +35,8 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
                                                          "adaptive-1-fused"))
     assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
     assert launches["adaptive-1-fused"]["launches"] < launches["adaptive-1"]["launches"]
+    # Compiled code is counted kernel by kernel: each one Inductor generated and ran is named by the profiler.
+    assert launches["adaptive-1-fused"]["generated"] > 0 and launches["adaptive-1"]["generated"] == 0
     assert "operations per step on the CUDA code path" in done.stdout
     # The host-time proxy: every eager variant timed against GradScaler on the device path.
     host = results["host_ms"]
