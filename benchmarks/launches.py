@@ -104,6 +104,9 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
 
     initial, batches = build_initial(work, "cpu")
     results = {}
+    # Dynamo keeps what it compiled for a module class's forward and reuses it for every instance: GradScaler's
+    # compiled model would run the kernels compiled for the timing, unprofiled, and its own would go uncounted.
+    torch._dynamo.reset()
     with device_scalars(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         for name in list(variants) + [FUSED]:
             runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu", fused=name == FUSED)
