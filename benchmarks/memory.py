@@ -91,6 +91,34 @@ def cpu_tensor_peak(run: Callable[[], None]) -> int:
     return peak
 
 
+def step_peaks(runners: dict[str, Runner], batches: list, device: str) -> dict[str, int]:
+    """Per runner, the peak tensor bytes of one more warm step above what was live before it, in this process.
+
+    For the compiled variants, which have no probe (a probe process would compile again: minutes on a GPU, for
+    each one), and for the references they are compared with. What a step allocates and frees: activations kept
+    for backward, gradients (dropped first, so each step allocates them anew), temporaries, the refresh's own.
+    The weights, optimizer state and scale tables, already resident, are not counted: the same step's probe
+    would add them. CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events (``cpu_tensor_peak``).
+    An adaptive-1 step is a refresh step; an adaptive-N step almost always a step between refreshes."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    peaks = {}
+    for name, runner in runners.items():
+        runner.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if not cuda:
+            peaks[name] = cpu_tensor_peak(lambda: runner.step(*batches[0]))
+            continue
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.step(*batches[0])
+        torch.cuda.synchronize(device)
+        peaks[name] = max(torch.cuda.max_memory_allocated(device) - base, 0)
+    return peaks
+
+
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     """Run in a fresh process: the peak memory (``spec["measure"]``: tensors or RSS) one variant adds on top of the
     data and the initial model."""

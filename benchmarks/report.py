@@ -22,8 +22,10 @@ def _fmt(value: float | None, spec: str, width: int) -> str:
 
 
 def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict[str, Any]],
-                 memory: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Print one model's table and goal lines; return the goal checks."""
+                 memory: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]],
+                 step_peaks: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Print one model's table and goal lines; return the goal checks. ``step_peaks``: bytes per variant from
+    ``memory.step_peaks``, for the compiled variants and their references."""
     shape = "x".join(str(d) for d in work.input_shape)
     any_row = next(iter(timing.values()))
     print(f"\n== {work.model}: input {shape}, batch {work.batch_size}, {dtype} on {device}; "
@@ -90,8 +92,29 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
             delta = row["peak_mb"] - timing[REFERENCE]["peak_mb"]
             checks.append({"model": work.model, "goal": f"{name}/{REFERENCE} peak tensor memory ({delta:+.2f} MB)",
                            "value": row["mem_ratio"], "limit": MEMORY_GOAL})
+    checks += _report_step_peaks(work.model, step_peaks or {})
     for check in checks:
         check["pass"] = bool(check["value"] <= check["limit"])
         print(f"{'PASS' if check['pass'] else 'MISS'}  {work.model}: {check['goal']} = {check['value']:.3f} "
               f"(goal <= {check['limit']:.2f})")
+    return checks
+
+
+def _report_step_peaks(model: str, peaks: dict[str, int]) -> list[dict[str, Any]]:
+    """Print the in-process step peaks (see ``memory.step_peaks``) with their ratios to eager and to compiled
+    GradScaler; return the memory goal checks of the compiled adaptive variants against both (as for step time:
+    the compiled reference shows what the scale logic costs where both are compiled)."""
+    if not peaks.get(REFERENCE):
+        return []
+    print("step peak: tensor memory one warm step allocates, in this process (compiled variants have no probe)")
+    references = [name for name in (REFERENCE, COMPILED_REFERENCE) if peaks.get(name)]
+    checks = []
+    for name, peak in peaks.items():
+        ratios = {reference: peak / peaks[reference] for reference in references}
+        versus = "".join(f"  ({ratios[r]:.3f}x {r})" for r in references[1:])
+        print(f"  {name:<22}{peak / 2**20:>10.3f} MB {ratios[REFERENCE]:>7.3f}x {REFERENCE}{versus}")
+        if name.startswith("adaptive-") and name in COMPILED_VARIANTS:
+            checks += [{"model": model, "goal": f"{name}/{reference} step peak tensor memory "
+                                                f"({(peak - peaks[reference]) / 2**20:+.3f} MB)",
+                        "value": ratio, "limit": MEMORY_GOAL} for reference, ratio in ratios.items()]
     return checks

@@ -59,7 +59,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory import RSS, TENSORS, measure_memory
+from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
 from benchmarks.workloads import (COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload,
                                   build_initial, refresh_period, synchronizer, workload_for)
@@ -228,7 +228,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "barriers turn any other busy process into multi-second stalls; one thread keeps the "
                              "timings reproducible), torch's choice on cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in well under 30 s")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory subprocesses (the compiled variants' memory is measured in the "
+                             "benchmark's own process, one step each, either way)")
     parser.add_argument("--memory-cold", action="store_true",
                         help="count one-time start-up (kernel code pages, thread pools) in peak memory too; by "
                              "default each probe runs the variant on a 2-example batch before its baseline")
@@ -314,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         times = time_variants(runners, batches, work, args.device)
         timing = summarise_times(times)
         runs = {name: runner.summary() for name, runner in runners.items()}
-        checks = report_model(work, args.device, args.dtype, timing, memory, runs)
+        peaks = {}
+        if any(name in COMPILED_VARIANTS for name in runners):  # their memory, measured in this process
+            peaks = step_peaks({name: runners[name] for name in (REFERENCE, *COMPILED_VARIANTS) if name in runners},
+                               batches, args.device)
+        checks = report_model(work, args.device, args.dtype, timing, memory, runs, peaks)
         if args.profile:
             profile_variants(runners, batches, args.device, steps=max(work.steps // 2, 2))
         results["models"][model_name] = {"workload": asdict(work), "timing": timing, "memory": memory,
-                                         "runs": runs, "raw_step_seconds": times}
+                                         "step_peak_bytes": peaks, "runs": runs, "raw_step_seconds": times}
         if args.launches:
             from benchmarks.launches import count_cuda_kernels, count_variants, host_times, report, report_cuda
             if kind == "cuda":
