@@ -95,7 +95,7 @@ def _cpu_only(event: Any) -> bool:
 
 
 def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
-    """Per eager or compiled variant (plus the fused adaptive-1), the counts of one step after three warm-up steps.
+    """Per eager or compiled variant (plus the fused adaptive-1), the counts of one step after four warm-up steps.
     (A captured step is one graph launch: the graph variants are counted on a GPU only.)"""
     import torch
 

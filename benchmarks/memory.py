@@ -97,8 +97,8 @@ def step_peaks(runners: dict[str, Runner], batches: list, device: str) -> dict[s
     For the compiled variants, which have no probe (a probe process would compile again: minutes on a GPU, for
     each one), and for the references they are compared with. What a step allocates and frees: activations kept
     for backward, gradients (dropped first, so each step allocates them anew), temporaries, the refresh's own.
-    The weights, optimizer state and scale tables, already resident, are not counted: the same step's probe
-    would add them. CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events (``cpu_tensor_peak``).
+    The weights, optimizer state and scale tables, already resident, are not counted (a probe counts them too, so
+    the two figures differ by definition). CUDA: ``max_memory_allocated``; CPU: the profiler's allocation events (``cpu_tensor_peak``).
     An adaptive-1 step is a refresh step; an adaptive-N step almost always a step between refreshes."""
     import torch
 
