@@ -159,9 +159,9 @@ def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -
 def report_cuda(model: str, counts: dict[str, dict[str, Any]]) -> None:
     """Print :func:`count_cuda_kernels`'s table."""
     print(f"\n{model}: CUDA kernels per step and GPU busy time (torch.profiler)")
-    print(f"  {'variant':<20} {'kernels':>9} {'GPU busy ms':>12} {'host reads':>11}")
+    print(f"  {'variant':<22} {'kernels':>9} {'GPU busy ms':>12} {'host reads':>11}")
     for name, c in counts.items():
-        print(f"  {name:<20} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}")
+        print(f"  {name:<22} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}")
 
 
 def report(model: str, counts: dict[str, dict[str, Any]], reference: str,
@@ -170,10 +170,10 @@ def report(model: str, counts: dict[str, dict[str, Any]], reference: str,
     base = counts[reference]
     print(f"\n{model}: operations per step on the CUDA code path (counted on CPU; a proxy for launch-bound GPU time)"
           + ("; host time per step at --quick sizes (a proxy for host-bound GPU time)" if host else ""))
-    print(f"  {'variant':<18} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}"
+    print(f"  {'variant':<22} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}"
           + (f" {'host ms':>8} {'x ' + reference:>14}" if host else ""))
     for name, c in counts.items():
-        row = (f"  {name:<18} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
+        row = (f"  {name:<22} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
                f"{c['host_reads']:>11}")
         if host and name in host:
             row += f" {host[name]['ms_median']:>8.2f} {host[name]['ratio']:>14.2f}"
