@@ -42,13 +42,28 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     host = results["host_ms"]
     assert set(host) == {"gradscaler", "dynamic", "adaptive-1", "adaptive-100"} and host["gradscaler"]["ratio"] == 1.0
     assert all(row["ms_median"] > 0 and row["ratio"] > 0 for row in host.values())
-    # The issue's Transformer workload: token ids in, per-token loss, every variant steps it. (Its launches are not
-    # counted here: that compiles the fused refresh again, for 20 s of the suite.)
+    # The issue's Transformer workload: token ids in, per-token loss, every variant steps it. (Without --launches,
+    # which would compile the fused refresh again, for 20 s of the suite: its host reads are counted below.)
     done = run_benchmarks("--quick", "--no-memory", "--models", "gpt", "--json", str(out))
     assert done.returncode == 0, done.stderr
     gpt = json.loads(out.read_text())["models"]["gpt"]
     assert gpt["workload"]["input_shape"] == [16]
     assert all(gpt["timing"][v]["ratio"] > 0 for v in ("dynamic", "adaptive-1", "adaptive-100"))
+
+
+def test_an_adaptive_gpt_step_on_the_device_path_reads_the_device_once():
+    """The GPT's launch count without the fused variant: one host read per step, the skip decision."""
+    from adaloss_cli.core.array_ops import device_scalars
+    from benchmarks.launches import count_step
+    from benchmarks.workloads import Runner, build_initial, workload_for
+
+    initial, batches = build_initial(workload_for("gpt", "cpu", True), "cpu")
+    with device_scalars():
+        runner = Runner("adaptive-1", initial, "float16", "cpu")
+        for k in range(4):
+            runner.step(*batches[k % len(batches)])
+        counts = count_step(lambda: runner.step(*batches[0]))
+    assert counts["host_reads"] == 1 and counts["launches"] > 0 and counts["generated"] == 0
 
 
 def test_compiled_variants_build_compiled_scalers_and_report_their_compiled_steps():
