@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny configs and a CLI runner."""
+"""Shared fixtures: tiny configs, a CLI runner, and the golden layer and scalar path of the test_adaptive_core*
+files."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -61,3 +63,27 @@ def invoke(runner):
 def tiny_config(tmp_path) -> Path:
     """Path of a valid tiny config in a temporary folder."""
     return write_config(tmp_path / "tiny.yaml")
+
+
+@pytest.fixture
+def scalar_path(request):
+    """A test parametrized with ``backend="torch-device"`` runs on torch's device path (0-d tensors, no host
+    reads: what CUDA runs); other tests run as they are. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("scalar_path")``."""
+    from adaloss_cli.core.array_ops import device_scalars
+
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "torch-device":
+        with device_scalars():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture
+def golden_layer():
+    """DESIGN.md 2.2's golden layer in fp16: gy ~ N(0, 1e-4) (batch 32, 64 outputs), W ~ N(0, 0.05) (64 x 128)."""
+    np.random.seed(0)
+    gy = np.random.normal(0, 1e-4, (32, 64)).astype(np.float16)   # (batch, out_features)
+    w = np.random.normal(0, 0.05, (64, 128)).astype(np.float16)   # (out_features, in_features)
+    return gy, w

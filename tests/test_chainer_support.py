@@ -1,5 +1,6 @@
 """Helpers shared by the Chainer test files (no tests here): skip cleanly without Chainer, seeded zoo models, plain
-Chainer gradients. Named test_chainer_* so that it sits with the files it serves."""
+Chainer gradients, an adaptive scaler and its scaled backward. Named test_chainer_* so that it sits with the files it
+serves."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ except ImportError as err:  # installed but unusable here (e.g. numpy 2 or Pytho
     pytest.skip(str(err), allow_module_level=True)
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
+from adaloss_cli.backends.chainer.scaler import LossScaler  # noqa: E402
 
 F = chainer.functions
 
@@ -68,3 +70,18 @@ def is_power_of_two(values) -> bool:
     values = np.asarray(values, dtype=np.float64).ravel()
     mantissa, _ = np.frexp(values)
     return bool(np.all((values > 0) & np.isfinite(values) & (mantissa == 0.5)))
+
+
+def scaled_backward(scaler: LossScaler, model, x, t, weight: float = 1.0, output: bool = True) -> None:
+    with chainer.using_config("train", True):
+        y = model(x)
+        y = scaler.output(y) if output else y
+        scaler.backward(F.softmax_cross_entropy(y, t) * weight)
+
+
+def adaptive(model, **options) -> LossScaler:
+    """An adaptive scaler on ``model``, whose gradients are cleared (Chainer starts them as NaN and, like
+    ``Variable.backward``, ``scaler.backward`` adds to what is there)."""
+    scaler = LossScaler(model, "adaptive", **options)
+    model.cleargrads()
+    return scaler

@@ -1,9 +1,10 @@
 """Data-parallel training on CPU (gloo, loopback): ranks stay identical, match one process, skip together, resume.
 
 Two processes are launched three times for the whole file (each launch costs seconds on a small machine): once with
-this file as a torchrun worker script (DDP gradient checks, the scaler's all-reduced skip decision, and runs of every
-method through ``run_experiment``), once through ``adaloss train --nproc-per-node 2`` (stopped by a SIGTERM sent to
-rank 1 only) and once through ``python -m torch.distributed.run ... -m adaloss_cli train --resume``.
+``distributed_worker.py`` as the torchrun worker script (DDP gradient checks, the scaler's all-reduced skip decision,
+and runs of every method through ``run_experiment``), once through ``adaloss train --nproc-per-node 2`` (stopped by a
+SIGTERM sent to rank 1 only) and once through ``python -m torch.distributed.run ... -m adaloss_cli train --resume``.
+The checks that need no processes are in ``test_distributed_checks.py``.
 """
 
 from __future__ import annotations
@@ -19,148 +20,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import write_config
+from distributed_worker import (EXTRA_RUNS, ITERATIONS, METHODS, NAN_ON_RANK_1, RESUME_ITERATIONS, method_config,
+                                resume_config)
 
 torch = pytest.importorskip("torch")
 
 from adaloss_cli.config import load_config  # noqa: E402
-from adaloss_cli.distributed import World, check_world, without_option  # noqa: E402
-from adaloss_cli.engine import FAULT_ENV, _fault_steps  # noqa: E402
-from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss_cli.engine import FAULT_ENV  # noqa: E402
 from adaloss_cli.experiment import run_experiment  # noqa: E402
 from adaloss_cli.results.checkpoints import read_checkpoint  # noqa: E402
 
-METHODS = {
-    "none": {},
-    "fixed": {"fixed": {"scale": 256}},
-    "dynamic": {"dynamic": {"preset": "pytorch", "init_scale": 2**10, "growth_interval": 3}},
-    "adaptive": {"adaptive": {"loss_scale_method": "approx_range", "update_per_n_iteration": 2}},
-}
-ITERATIONS = 8
-RESUME_ITERATIONS = 100
-NAN_ON_RANK_1 = "3@1"  # the loss of step 3 is NaN on rank 1 only
 TIMING_KEYS = {"wall_time_s", "time_per_step_s", "peak_memory_mb", "ranks"}
-
-
-def method_config(folder: Path, method: str, dtype: str, name: str | None = None, scaling: dict | None = None,
-                  **training) -> Path:
-    """8 steps of an MLP without dropout or batch norm on digits; global batch 16 (8 per process)."""
-    return write_config(folder / f"{name or f'{method}-{dtype}'}.yaml", model={"name": "mlp", "hidden_sizes": [32, 32]},
-                        precision={"dtype": dtype},
-                        loss_scaling={"method": method, **(METHODS[method] if scaling is None else scaling)},
-                        training={"iterations": ITERATIONS, "batch_size": 16, "eval_batch_size": 100,
-                                  "optimizer": {"name": "sgd", "lr": 0.05}, **training},
-                        output={"root": str(folder / "runs"), "record_every": 3, "progress": False})
-
-
-# Runs beyond one per method and dtype: gradient accumulation (DDP's no_sync), nnabla's retry of the same batch.
-EXTRA_RUNS = {
-    "accumulate": dict(method="none", dtype="float32", grad_accum_steps=2),
-    "retry": dict(method="dynamic", dtype="float16",
-                  scaling={"dynamic": {"preset": "nnabla", "init_scale": 2.0**40}}),
-}
-
-
-def resume_config(folder: Path) -> Path:
-    """float16 adaptive with dropout (per-process random streams and scales matter), frequent checkpoints."""
-    return write_config(folder / "resume.yaml", model={"name": "mlp", "hidden_sizes": [32, 32], "dropout": 0.2},
-                        precision={"dtype": "float16"}, loss_scaling={"method": "adaptive", **METHODS["adaptive"]},
-                        training={"iterations": RESUME_ITERATIONS, "batch_size": 16, "eval_batch_size": 100,
-                                  "optimizer": {"name": "sgd", "lr": 0.05}},
-                        output={"root": str(folder / "runs"), "record_every": 3, "progress": False,
-                                "checkpoint_every": 4})
-
-
-# -- the torchrun worker (this file run as a script) -----------------------------------------------------------
-
-
-def _ddp_gradient_check(world: World) -> dict:
-    """Adaptive models whose per-layer scales differ between the two ranks, wrapped as the backend wraps them."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    from adaloss_cli.backends.torch import LossScaler, MixedPrecisionForward
-    from adaloss_cli.backends.torch.distributed import DataParallelForward
-
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2, 8, 1, 8, 8, generator=gen), torch.randint(0, 10, (2, 8), generator=gen)
-    true = []  # plain autograd on the untransformed model, for each rank's slice
-    for r in range(2):
-        base.zero_grad()
-        F.cross_entropy(base(x[r]), y[r]).backward()
-        true.append({n: p.grad.clone() for n, p in base.named_parameters()})
-    base.zero_grad(set_to_none=True)  # the scaler transforms base itself: start its step from no gradients
-    # Different constant per-layer factors and loss-side scales on the two ranks: 2 vs 8 per layer.
-    scaler = LossScaler(base, "adaptive", loss_scale_method="fixed", fixed_loss_scale=[2.0, 8.0][world.rank],
-                        init_scale=[1.0, 1024.0][world.rank], exact_bounds=False, process_group=dist.group.WORLD)
-    model = scaler.model
-    forward = DataParallelForward(model, MixedPrecisionForward(model, "float32"))
-    names = {id(p): n for n, p in model.named_parameters()}
-    seen: dict[str, torch.Tensor] = {}
-
-    def spy(state, bucket):  # what DDP's reducer hands to the all-reduce: this rank's gradients
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            seen[names[id(p)]] = g.clone()
-        return allreduce_hook(state, bucket)
-
-    forward.ddp.register_comm_hook(None, spy)
-    scaler.scale(F.cross_entropy(forward(model, x[world.rank]), y[world.rank])).backward()
-    tables = [None, None]
-    state = scaler.state
-    dist.all_gather_object(tables, state.arrays["factor"][:len(state.names)].tolist())
-
-    def worst(a: dict, b: dict) -> float:
-        return max(float(((a[n] - b[n]).abs() / (b[n].abs() + 1e-6)).max()) for n in b)
-
-    mean = {n: (true[0][n] + true[1][n]) / 2 for n in true[0]}
-    reduced = {n: p.grad for n, p in model.named_parameters()}
-    return {"reduced_vs_mean": worst(reduced, mean), "bucket_vs_local_true": worst(seen, true[world.rank]),
-            "ranks_differ": worst(true[0], true[1]), "tables": tables, "bucketed": sorted(seen)}
-
-
-def _skip_decision_check(world: World) -> dict:
-    """No DDP: only rank 1's gradient overflows; the all-reduced flag must make both ranks skip."""
-    import torch.distributed as dist
-    from torch import nn
-
-    from adaloss_cli.backends.torch import LossScaler
-
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = LossScaler(model, "dynamic", init_scale=1024.0, process_group=dist.group.WORLD)
-    base = model(torch.ones(3, 4)).sum()
-    loss = base * (world.rank + 1)
-    scaler.scale(loss).backward()
-    if world.rank == 1:
-        model.weight.grad[0, 0] = float("inf")
-    before = model.weight.detach().clone()
-    scaler.step(optimizer, loss=loss)
-    stepped = scaler.stepped
-    scaler.update()
-    return {"stepped": stepped, "scale": scaler.get_scale(), "loss": scaler.last_loss,
-            "expected_loss": float(base) * 1.5, "unchanged": bool(torch.equal(model.weight, before))}
-
-
-def _worker(out: Path) -> None:
-    world = World.from_env()
-    with world.session():
-        results = {"ddp": _ddp_gradient_check(world), "skip": _skip_decision_check(world)}
-        for method in METHODS:
-            for dtype in ("float32", "float16"):
-                config = load_config(method_config(out, method, dtype))
-                run_experiment(config, out=out / "runs" / f"{method}-{dtype}", progress=False, world=world)
-        for name, options in EXTRA_RUNS.items():
-            config = load_config(method_config(out, name=name, **options))
-            run_experiment(config, out=out / "runs" / name, progress=False, world=world)
-        os.environ[FAULT_ENV] = NAN_ON_RANK_1
-        run_experiment(load_config(resume_config(out)), out=out / "runs" / "resume-reference", progress=False,
-                       world=world)
-        (out / f"worker-{world.rank}.json").write_text(json.dumps(results))
 
 
 # -- helpers on the test side ----------------------------------------------------------------------------------
@@ -219,10 +89,11 @@ def rank_of(pid: int) -> int | None:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> dict:
-    """Launch this file as a 2-process torchrun worker once; its results per rank and its output folder."""
+    """Launch distributed_worker.py as a 2-process torchrun worker once; its results per rank and its output folder."""
     out = tmp_path_factory.mktemp("dist")
     started = time.perf_counter()
-    proc = subprocess.run(torchrun(str(Path(__file__).resolve()), "--worker", str(out)), env=dist_env(),
+    script = Path(__file__).resolve().with_name("distributed_worker.py")
+    proc = subprocess.run(torchrun(str(script), "--worker", str(out)), env=dist_env(),
                           capture_output=True, text=True, timeout=300, cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((out / f"worker-{r}.json").read_text()) for r in range(2)]
@@ -375,49 +246,6 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_torchrun_resume_end
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["stopped"]
     assert list(cwd.iterdir()) == []
 
-
-# -- without processes: parsing and checks ----------------------------------------------------------------------
-
-
-def test_world_from_torchrun_environment():
-    assert World.from_env({}) == World(0, 1, 0, 1) and not World.from_env({}).active
-    world = World.from_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
-    assert (world.rank, world.world_size, world.local_rank, world.active, world.is_main) == (3, 4, 1, True, False)
-    for bad in ({"WORLD_SIZE": "two"}, {"WORLD_SIZE": "2", "RANK": "2"}):
-        with pytest.raises(UserError, match="torchrun"):
-            World.from_env(bad)
-
-
-def test_global_batches_and_the_validation_split_are_sliced_contiguously():
-    x, y = np.arange(12 * 2).reshape(12, 2), np.arange(12)
-    parts = [World(r, 3).shard((x, y)) for r in range(3)]
-    assert [p[1].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert np.array_equal(np.concatenate([p[0] for p in parts]), x)
-    val = [World(r, 4).eval_shard(x[:10], y[:10])[1].tolist() for r in range(4)]
-    assert sum(val, []) == list(range(10)) and {len(v) for v in val} <= {2, 3}
-    assert World().shard((x, y))[1] is y
-
-
-def test_the_fault_hook_can_name_one_rank(monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "2, 3@1, 5@0")
-    assert _fault_steps(0) == {2, 5} and _fault_steps(1) == {2, 3}
-
-
-def test_the_launcher_drops_only_its_own_option():
-    argv = ["train", "--config", "c.yaml", "--nproc-per-node", "2", "--quiet", "--nproc-per-node=4"]
-    assert without_option(argv, "--nproc-per-node") == ["train", "--config", "c.yaml", "--quiet"]
-
-
-def test_a_global_batch_that_does_not_split_evenly_is_refused_before_any_process_starts(invoke, tmp_path):
-    config = method_config(tmp_path, "none", "float32")
-    with pytest.raises(UserError, match="multiple of 3"):
-        check_world(load_config(config), 3)
-    result = invoke("train", "--config", config, "--nproc-per-node", "3", "--quiet")
-    assert result.exit_code == 2
-    assert "training.batch_size 16 is the global batch" in result.output and "multiple of 3" in result.output
-    assert not (tmp_path / "runs").exists()
-
-
 def test_resume_with_another_number_of_processes_is_refused(worker, invoke):
     run_dir = worker["out"] / "runs" / "none-float32"
     meta = json.loads((run_dir / "meta.json").read_text())
@@ -428,14 +256,3 @@ def test_resume_with_another_number_of_processes_is_refused(worker, invoke):
         (run_dir / "meta.json").write_text(json.dumps(meta))
     assert result.exit_code == 2
     assert "trained on 2 process(es), this is 1" in result.output and "--nproc-per-node 2" in result.output
-
-
-def test_torchrun_and_nproc_per_node_together_are_refused(invoke, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    result = invoke("train", "--config", method_config(tmp_path, "none", "float32"), "--nproc-per-node", "2")
-    assert result.exit_code == 2 and "already one of 2 started by torchrun" in result.output
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(Path(sys.argv[2]))
