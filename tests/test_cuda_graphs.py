@@ -8,8 +8,6 @@ which the tests marked ``cuda`` run on a GPU.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -41,19 +39,39 @@ class _ReplayedStep:
 
 @pytest.fixture
 def emulated_capture(monkeypatch):
-    """GraphedStep on CPU tensors, the device path of the scale logic (what CUDA runs), capture emulated."""
+    """GraphedStep on CPU tensors, the device path of the scale logic (what CUDA runs), capture emulated.
+
+    It also checks that every capture comes after an eager step from the same key that created no scale state: a
+    tensor made inside a real capture holds garbage until the graph replays (forever if it never does)."""
+    clean_keys = set()
+    run_eager = GraphedStep._run_eager
+
+    def eager_noting_keys(self):
+        key = self._key()
+        result = run_eager(self)
+        if self._context() == key[0]:
+            clean_keys.add(key)
+        return result
+
+    def capture(self, body):
+        assert self._key() in clean_keys, "captured a step whose eager run created scale state"
+        replayed = _ReplayedStep(body)
+        return replayed, replayed.result
+
     monkeypatch.setattr(graphs, "_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(GraphedStep, "_capture", lambda self, body: (lambda g: (g, g.result))(_ReplayedStep(body)))
+    monkeypatch.setattr(GraphedStep, "_run_eager", eager_noting_keys)
+    monkeypatch.setattr(GraphedStep, "_capture", capture)
     with device_scalars():
         yield
 
 
-def _setup(method: str, device: str = "cpu", **options):
+def _setup(method: str, device: str = "cpu", optimizer: str = "sgd", **options):
     torch.manual_seed(0)
     model = CifarResNet(8, 3, 10, width=4).to(device)
     scaler = LossScaler(model, method, **options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
-    return model, scaler, optimizer
+    if optimizer == "adam":
+        return model, scaler, torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4, fused=True)
+    return model, scaler, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
 
 
 def _batches(device: str = "cpu", n: int = 6):
@@ -78,12 +96,14 @@ def _eager_step(model, scaler, optimizer, x, y, device_type: str) -> float:
     return scaler.last_loss
 
 
-def _compare_with_eager(method: str, device: str, **options) -> GraphedStep:
-    """Six graphed steps and six eager steps from the same weights: the same losses and parameters (on a GPU up to
-    the order of cuDNN's and cuBLAS's sums, which may differ between two calls)."""
-    batches = _batches(device)
-    eager = _setup(method, device, **options)
-    graphed_model, scaler, optimizer = _setup(method, device, **options)
+def _compare_with_eager(method: str, device: str, optimizer: str = "sgd", **options) -> GraphedStep:
+    """Seven graphed steps and seven eager steps from the same weights: the same losses and parameters (on a GPU up
+    to the order of cuDNN's and cuBLAS's sums, which may differ between two calls). With a refresh every 3 steps the
+    first refresh from the settled state runs eagerly (step 3), and step 6 replays its capture."""
+    batches = _batches(device, n=7)
+    eager = _setup(method, device, optimizer, **options)
+    graph_safe_optimizer(eager[2])  # the same tensor learning rate: Adam's update rounds it otherwise
+    graphed_model, scaler, optimizer = _setup(method, device, optimizer, **options)
     step = GraphedStep(scaler, optimizer, _loss_fn(graphed_model, device), warmup_steps=2)
     eager_losses = [_eager_step(*eager, x, y, device) for x, y in batches]
     graphed_losses = [step(x, y) for x, y in batches]
@@ -95,12 +115,15 @@ def _compare_with_eager(method: str, device: str, **options) -> GraphedStep:
     return step
 
 
-@pytest.mark.parametrize("method, options", [("adaptive", {}), ("adaptive", {"update_per_n_iteration": 3}),
-                                             ("dynamic", {})], ids=["adaptive-1", "adaptive-3", "dynamic"])
-def test_graphed_steps_train_exactly_as_eager_steps(emulated_capture, method, options):
-    step = _compare_with_eager(method, "cpu", **options)
+@pytest.mark.parametrize("method, optimizer, options", [
+    ("adaptive", "sgd", {}), ("adaptive", "sgd", {"update_per_n_iteration": 3}), ("dynamic", "sgd", {}),
+    ("adaptive", "adam", {})], ids=["adaptive-1", "adaptive-3", "dynamic", "adaptive-adam"])
+def test_graphed_steps_train_exactly_as_eager_steps(emulated_capture, method, optimizer, options):
+    step = _compare_with_eager(method, "cpu", optimizer, **options)
     if options.get("update_per_n_iteration", 1) > 1:  # refresh and reuse steps: one graph each
         assert len(step.graphs) == 2
+    if optimizer == "adam":  # Adam's step refuses a CUDA graph capture unless its groups are capturable
+        assert all(group["capturable"] for group in step.optimizer.param_groups)
 
 
 def test_an_eager_step_in_between_needs_no_new_capture(emulated_capture):
@@ -139,9 +162,55 @@ def test_an_overflowing_step_leaves_parameters_and_optimizer_state_untouched(emu
     for p, b, m in zip(model.parameters(), before, momentum):
         assert torch.equal(p, b) and torch.equal(optimizer.state[p]["momentum_buffer"], m)
     captures = step.captures
-    step(x, y)  # the backed-off headroom is a new key: captured again, and it trains
-    assert scaler.stepped and step.captures == captures + 1
+    step(x, y)  # the backed-off headroom is a new key: one eager step from it, which trains
+    assert scaler.stepped and step.captures == captures
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    step(x, y)  # then its capture
+    assert scaler.stepped and step.captures == captures + 1
+
+
+def test_the_overflow_flag_is_one_whatever_the_number_of_gradient_groups(emulated_capture):
+    """A fused optimizer skips its step only on a flag of exactly 1.0: gradients of two dtypes overflowing together
+    must not make it 2.0 (the step would apply NaN)."""
+    model, scaler, _ = _setup("adaptive")
+    extra = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))  # outside the model, another dtype
+    params = list(model.parameters()) + [extra]
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+    (x, y), = _batches(n=1)
+    x[0, 0, 0, 0] = float("inf")
+    _loss_fn(model, "cpu")(x, y).backward()
+    extra.grad = torch.full((3,), float("inf"), dtype=torch.float64)
+    found = scaler.unscale_on_device(optimizer)
+    assert found.shape == () and found.dtype == torch.float32 and float(found) == 1.0
+    before = [p.detach().clone() for p in params]
+    optimizer.grad_scale, optimizer.found_inf = None, found
+    optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_momentum_schedule_captures_again_and_reset_warms_up_again(emulated_capture):
+    """Settings other than the learning rate are numbers in a captured step: a change is a new key. After
+    ``load_state_dict`` (which restores the groups' settings) ``reset`` makes the optimizer graph-safe again."""
+    model, scaler, optimizer = _setup("adaptive", optimizer="adam")
+    step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
+    (x, y), = _batches(n=1)
+    step(x, y)  # warm-up, which creates the scale state's caches
+    step(x, y)  # an eager step that creates nothing: its key is ready
+    step(x, y)
+    assert step.captures == 1
+    optimizer.param_groups[0]["betas"] = (0.8, 0.999)  # as OneCycleLR's cycle_momentum does
+    step(x, y)
+    step(x, y)
+    assert step.captures == 2
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["capturable"] = False  # a checkpoint of eager training
+    optimizer.load_state_dict(saved)
+    step.reset()
+    assert optimizer.param_groups[0]["capturable"] is True
+    step(x, y)  # a warm-up step: the optimizer's state tensors are new
+    assert step.captures == 2 and not step.graphs
+    step(x, y)
+    assert step.captures == 3 and scaler.stepped
 
 
 def test_a_skipped_first_step_leaves_the_momentum_at_zero_and_training_goes_on(emulated_capture):
@@ -184,7 +253,8 @@ def test_a_second_batch_shape_gets_graphs_of_its_own_and_the_first_keeps_its_own
     step = GraphedStep(scaler, optimizer, _loss_fn(model, "cpu"), warmup_steps=1)
     (x, y), = _batches(n=1)
     step(x, y)
-    step(x, y)  # warm-up, then the capture of the full batch
+    step(x, y)
+    step(x, y)  # warm-up, an eager step that creates no scale state, then the capture of the full batch
     assert step.captures == 1
     step(x[:5], y[:5])  # a smaller last batch: its own warm-up
     step(x[:5], y[:5])  # and its own capture
@@ -225,9 +295,10 @@ def test_cuda_graphs_on_a_machine_without_cuda_exits_2(invoke, tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("options", [{}, {"update_per_n_iteration": 3}], ids=["adaptive-1", "adaptive-3"])
-def test_cuda_graphed_adaptive_steps_train_exactly_as_eager_steps(options):
-    step = _compare_with_eager("adaptive", "cuda", **options)
+@pytest.mark.parametrize("optimizer, options", [("sgd", {}), ("sgd", {"update_per_n_iteration": 3}), ("adam", {})],
+                         ids=["adaptive-1", "adaptive-3", "adaptive-adam"])
+def test_cuda_graphed_adaptive_steps_train_exactly_as_eager_steps(optimizer, options):
+    step = _compare_with_eager("adaptive", "cuda", optimizer, **options)
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in step.graphs.values())
 
 

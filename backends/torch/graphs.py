@@ -11,7 +11,9 @@ the replay and drives the scaling policy exactly as in eager steps.
 Everything a captured step reads as a Python number (the loss scale, the adaptive headroom, which of the refresh and
 reuse paths the scale points take) is part of the key of its graph: a step whose key differs captures a new graph.
 Refresh and reuse steps of ``update_per_n_iteration`` > 1 get one graph each, sharing one memory pool; a new loss
-scale (dynamic scaling's growth or back-off) or headroom (adaptive's back-off after an overflow) captures again.
+scale (dynamic scaling's growth or back-off), headroom (adaptive's back-off after an overflow) or optimizer setting
+(momentum, betas) captures again. Every key runs one eager step before its capture, which makes and fills whatever
+scale state the step creates: a tensor made inside a capture would hold garbage until the graph's first replay.
 
 Gradients live in tensors allocated once, outside every graph, which each captured step zeroes first and each call
 attaches to the parameters again (an eager step in between, such as the trainer's recorded steps, may have replaced
@@ -38,8 +40,9 @@ _FUSED_SUPPORTED = "SGD, Adam or AdamW built with fused=True"
 def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Check that ``optimizer`` can run inside a CUDA graph with the skip applied on the device, and make each
     group's learning rate a 0-d float32 device tensor (a Python number would be frozen into the graph), which it
-    returns, and start fused SGD's momentum at zero (:func:`_start_momentum_at_zero`). Raises ValueError naming what
-    to change."""
+    returns, mark Adam's groups capturable (its step refuses a capture otherwise; the fused kernel is the same) and
+    start fused SGD's momentum at zero (:func:`_start_momentum_at_zero`). Raises ValueError naming what to change.
+    Call it again after ``optimizer.load_state_dict``, which restores the groups' settings and state."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         fused = optimizer.defaults.get("fused")
         raise ValueError(f"CUDA graphs need an optimizer that applies the overflow skip on the device: "
@@ -54,6 +57,10 @@ def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
         if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
         rates.append(group["lr"])
+        if "capturable" in group:
+            group["capturable"] = True
+    # The eager warm-up and recorded steps of a capturable optimizer are expected: no warning that they run uncaptured.
+    optimizer._warned_capturable_if_run_uncaptured = True
     _start_momentum_at_zero(optimizer)
     return rates
 
@@ -82,12 +89,14 @@ def _start_momentum_at_zero(optimizer: torch.optim.Optimizer) -> None:
 @dataclass
 class _Captures:
     """What one batch signature (shapes, dtypes, devices) has: the graph's input tensors, its graphs by key with
-    the tensor each replay writes [overflow flag, loss] to, their shared memory pool, and its eager steps so far."""
+    the tensor each replay writes [overflow flag, loss] to, their shared memory pool, its eager steps so far, and
+    the keys ready to capture (an eager step from that key created no tensor of the scale state)."""
     inputs: list
     graphs: dict = field(default_factory=dict)
     results: dict = field(default_factory=dict)
     pool: Any = None
     eager_steps: int = 0
+    ready: set = field(default_factory=set)
 
 
 class GraphedStep:
@@ -103,7 +112,8 @@ class GraphedStep:
         before_step: optional ``before_step()`` run after unscaling, before the optimizer step, inside the graph
             (gradient clipping: ``torch.nn.utils.clip_grad_norm_`` is capturable).
         warmup_steps: eager steps before the first capture (torch.compile, cuDNN and the allocator settle in them);
-            they train like any step.
+            they train like any step. A key (see :meth:`_key`) is captured only after an eager step from it created
+            no scale state, so the first capture may come a step or two later.
 
     Calling it with a batch copies the batch into the graph's inputs, replays, reads the overflow flag and the loss
     back together (the step's one host read) and updates the scaling policy; on a retry request it replays again.
@@ -150,11 +160,14 @@ class GraphedStep:
         self.last_retries, self.last_overflowed = 0, False
         captures = self._current
         while True:
-            if captures.eager_steps < self.warmup_steps:
+            key = self._key()
+            if captures.eager_steps < self.warmup_steps or key not in captures.ready:
                 captures.eager_steps += 1
                 result = self._run_eager()
+                if self._context() == key[0]:
+                    captures.ready.add(key)
             else:
-                graph, result = self._graph_for(self._key())
+                graph, result = self._graph_for(key)
                 graph.replay()
             found, loss = result.tolist()  # the step's one host read: overflow flag and loss
             scaler.finish_device_step(bool(found), loss)
@@ -169,12 +182,16 @@ class GraphedStep:
         return {} if self._current is None else self._current.graphs
 
     def reset(self) -> None:
-        """Drop every captured graph, so that the next call captures again: needed after the optimizer's state or
-        the model's parameters were replaced by other tensors (``load_state_dict`` of the optimizer)."""
+        """Drop every captured graph, so that the next call warms up and captures again: needed after the
+        optimizer's state or the model's parameters were replaced by other tensors (``load_state_dict`` of the
+        optimizer, which also restores the group settings :func:`graph_safe_optimizer` made)."""
+        self._rates = graph_safe_optimizer(self.optimizer)
         for captures in self._shapes.values():
             captures.graphs.clear()
             captures.results.clear()
             captures.pool = None
+            captures.eager_steps = 0
+            captures.ready.clear()
 
     # -- internals -------------------------------------------------------------------------------------------------
 
@@ -209,18 +226,29 @@ class GraphedStep:
 
     def _context(self) -> tuple:
         """What a captured step reads as Python values, except the refresh schedule: the loss scale, the adaptive
-        headroom, and which tensors of the scale state exist (new ones are read by a new capture only)."""
+        headroom, which tensors of the scale state exist (new ones are read by a new capture only), and the
+        optimizer's settings other than the learning rate (a momentum or betas schedule captures again)."""
         scaler = self.scaler
         state = scaler.state
-        context: tuple = (scaler.get_scale(),)
+        context: tuple = (scaler.get_scale(), self._optimizer_settings())
         if state is not None:
             context += (state.headroom, state.pure_dtype, state.layout_generation, len(state.caches))
         return context
 
+    def _optimizer_settings(self) -> tuple:
+        """Every group's Python-valued settings but ``lr`` (momentum, betas, weight decay, ...): the fused step
+        reads them as numbers, so a graph holds those of its capture."""
+        return tuple(tuple((k, v) for k, v in group.items() if k not in ("params", "lr")
+                           and isinstance(v, (bool, int, float, str, tuple, type(None))))
+                     for group in self.optimizer.param_groups)
+
     def _key(self) -> tuple:
         """:meth:`_context` and which path the scale points take (refresh, bounds only, or reuse): every distinct
-        key is its own graph. (A refresh captured before its graph's template existed creates the template inside
-        the capture; the tensor outlives the capture, and every replay writes it.)"""
+        key is its own graph, captured once an eager step from the same key has left the context as it was.
+
+        That eager step makes and fills whatever the step creates and keeps (a cache, a constant, a template, a
+        wider layout): made inside a capture instead, a tensor would hold garbage until a replay, or forever if the
+        graph is dropped first."""
         state = self.scaler.state
         if state is None:
             return self._context(), None
@@ -266,8 +294,8 @@ class GraphedStep:
         return result
 
     def _graph_for(self, key: tuple) -> tuple[Any, torch.Tensor]:
-        """The graph of ``key`` for the current batch shape and the tensor its replay writes [overflow flag, loss]
-        to, captured if needed."""
+        """The graph of ``key`` (a ready one) for the current batch shape and the tensor its replay writes
+        [overflow flag, loss] to, captured if needed."""
         captures = self._current
         graph = captures.graphs.get(key)
         if graph is not None:
@@ -276,15 +304,12 @@ class GraphedStep:
             captures.graphs.clear()
             captures.results.clear()
             captures.pool = None
-        for _ in range(2):
-            graph, result = self._capture(self._body)
-            if self._context() == key[0]:
-                break
-            # The capture created scale-state tensors (a cache seen for the first time): they were filled inside
-            # the graph, so every replay would refill them. Capture again now that they exist outside it.
-            if self.scaler.state is not None:
-                self.scaler.state.forget_backward()
-            key = self._key()
+            captures.ready = {ready for ready in captures.ready if ready[0] == key[0]}
+        graph, result = self._capture(self._body)
+        if self._context() != key[0]:
+            raise RuntimeError("adaloss: a CUDA graph capture created scale state that an eager step from the same "
+                               "state did not (the step is not deterministic in what it creates); use eager steps "
+                               "(training.cuda_graphs: false) and report this")
         captures.pool = graph.pool() if hasattr(graph, "pool") else None
         captures.graphs[key] = graph
         captures.results[key] = result

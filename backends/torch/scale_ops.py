@@ -79,7 +79,7 @@ def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
         out = g.clone()
         flag = _FLAGS.get(g.device)
         if flag is None:
-            flag = _FLAGS[g.device] = torch.zeros(1, device=g.device)
+            flag = _FLAGS[g.device] = torch.zeros(1, dtype=torch.float32, device=g.device)
         torch._amp_foreach_non_finite_check_and_unscale_([out], flag, factor.reshape(1))
         return out
     value = float(factor)

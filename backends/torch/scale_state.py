@@ -225,11 +225,6 @@ class ScaleState(ScaleSchedule):
         self._active.append(execution)
         self.backward_passes += 1
 
-    def forget_backward(self) -> None:
-        """Drop what this iteration's backward passes registered (a step captured in a CUDA graph and discarded)."""
-        self._active = []
-        self.backward_passes = 0
-
     # -- iteration control -----------------------------------------------------------------------------------------
 
     def set_loss_scale(self, scale: float) -> None:

@@ -189,13 +189,18 @@ class LossScaler:
             for p in group["params"]:
                 if p.grad is not None:
                     grads[(p.grad.device, p.grad.dtype, self._grad_divisor(p))].append(p.grad)
-        found = None
+        # One flag per device, shared by its groups: the kernel only ever writes 1.0 into it, so the flag stays
+        # 0 or 1, which is what a fused optimizer's skip needs (it skips on exactly 1.0; a sum of two groups' flags
+        # would make it apply a step of NaN gradients). It is 0-d, the shape fused Adam's step counter takes.
+        flags: dict[torch.device, torch.Tensor] = {}
         for (device, _, divisor), tensors in grads.items():
-            found_here = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / divisor, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, inv)
-            found = found_here if found is None else found + found_here.to(found.device)
-        self._found_inf = found if found is not None else torch.zeros(1)
+            flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+            inv = torch.full((), 1.0 / divisor, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
+        found, *others = list(flags.values()) or [torch.zeros((), dtype=torch.float32)]
+        for flag in others:  # (a model split over devices)
+            found = torch.maximum(found, flag.to(found.device))
+        self._found_inf = found
 
     def _check_adaptive_ran(self, optimizer: torch.optim.Optimizer) -> None:
         """Adaptive scaling must have run in this step's backward, or the gradients were never scaled: say so
@@ -246,13 +251,13 @@ class LossScaler:
 
     def unscale_on_device(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """:meth:`unscale_` without any host read, for a step captured in a CUDA graph (``graphs.GraphedStep``):
-        returns the overflow flag as a one-element float32 device tensor, for a fused optimizer to skip on."""
+        returns the overflow flag, 0.0 or 1.0, as a 0-d float32 device tensor, for a fused optimizer to skip on."""
         if not self.enabled:
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
-            return torch.zeros(1, device=device)
+            return torch.zeros((), dtype=torch.float32, device=device)
         self._found_inf = None  # a new step: a capture attempt that was discarded may have left one
         self.unscale_(optimizer)
-        return self._found_inf.reshape(1).float()
+        return self._found_inf
 
     @property
     def steps_on_overflow(self) -> bool:
