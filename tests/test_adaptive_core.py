@@ -19,6 +19,7 @@ from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, b
 from adaloss_cli.core.adaptive_stats import (LINEAR_AXES, conv_fan, default_range, linear_fan, ops_for,
                                              underflow_fraction, underflow_k)
 from adaloss_cli.core.array_ops import device_scalars, scale_in_float32
+from adaloss_cli.core.range_bounds import measured_lift
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck. scalar_path (conftest.py) runs
 # the "torch-device" parameter on the device path.
@@ -199,7 +200,8 @@ def test_cuda_golden_stays_on_device(golden_layer):
     s = layer_factor(gy, w, 64, torch.tensor(4096.0, device="cuda"), AdaptiveOptions.paper())
     assert s.device == gy.device and float(s) == 0.25
     assert float(unbound_factor(gy, w, 64, AdaptiveOptions.paper())) == pytest.approx(1.748732, rel=2e-5)
-    powers = torch.ldexp(torch.ones(254, device="cuda"), torch.arange(-126, 128, device="cuda"))
+    # Every normal power of two 2**-126 .. 2**127, from its bits (exactly, whatever CUDA's pow does).
+    powers = (torch.arange(1, 255, dtype=torch.int32, device="cuda") << 23).view(torch.float32)
     assert torch.equal(power_of_two_floor(powers * 1.5)[:-1], powers[:-1])
 
 
@@ -220,6 +222,19 @@ def test_cupy_golden(golden_layer):
     s = unbound_factor(gy, w, 64, AdaptiveOptions.paper())
     assert isinstance(s, cupy.ndarray) and float(s) == pytest.approx(1.748732, rel=2e-5)
     assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveOptions.paper())) == 0.25
+
+
+@pytest.mark.cuda
+def test_cupy_measured_lift_equals_numpys_and_survives_an_all_zero_gradient():
+    """measured_range's histogram on CuPy: a scatter-add on the device, empty of kept values for an all-zero gy."""
+    cupy = _cupy()
+    rng = np.random.default_rng(1)
+    heavy = (rng.standard_cauchy((64, 128)) * 1e-9).astype(np.float32)
+    for gy in (heavy, np.zeros((8, 16), np.float16)):
+        expected = float(measured_lift(ops_for(gy), gy, 6e-8, 1e-3))
+        on_device = cupy.asarray(gy)
+        assert float(measured_lift(ops_for(on_device), on_device, 6e-8, 1e-3)) == expected
+    assert expected == 1.0
 
 
 @pytest.mark.cuda

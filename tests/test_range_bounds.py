@@ -128,6 +128,12 @@ def test_measured_lift_keeps_the_measured_underflow_share_within_the_tolerance(b
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_measured_lift_of_a_gradient_without_finite_non_zero_values_is_one(backend):
+    for gy in (np.zeros((4, 8), np.float16), np.full((4, 8), np.inf, np.float16)):
+        assert on(backend, lambda to: measured_lift(ops_for(to(gy)), to(gy), 6e-8, 1e-3)) == 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_output_factor_brings_the_loss_gradient_to_the_top_of_the_range(backend):
     g = np.array([[3e-9, -2.5e-4, 0.0]], np.float32)
     s = on(backend, lambda to: output_factor(to(g), "float16", AdaptiveOptions()))

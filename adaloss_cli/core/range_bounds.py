@@ -79,7 +79,10 @@ def measured_lift(ops: Float32Ops, gy: Any, u_min: float, n_uf: float) -> Any:
         power = max(ceiling - (int(fitting) - 1 - _EXPONENT_OFFSET), 0)
         return sops.const(math.ldexp(1.0, power) if power < 128 else math.inf)
     last = ops.f32(fitting) - ops.const(float(_EXPONENT_OFFSET + 1))
-    return ops.native.exp2(ops.maximum(ops.const(float(ceiling)) - last, ops.const(0.0)))
+    power = ops.maximum(ops.const(float(ceiling)) - last, ops.const(0.0))
+    # 2**power exactly: CUDA's exp2f may miss an integer power by an ulp (below it, the floor would halve the
+    # factor), so take 2**(power + 1/2) and clear its mantissa.
+    return ops.floor_power_of_two(ops.native.exp2(power + ops.const(0.5)))
 
 
 def _torch_exponent_counts(torch: Any, gy: Any) -> Any:
@@ -91,12 +94,18 @@ def _torch_exponent_counts(torch: Any, gy: Any) -> Any:
 
 
 def _array_exponent_counts(ops: Float32Ops, gy: Any) -> Any:
+    """NumPy and CuPy: every element binned, zeros and non-finite ones with weight 0 (a boolean mask would read its
+    size back on CuPy, and CuPy's bincount reads its input's maximum, which an empty input does not have)."""
     native = ops.native
     values = ops.f32(gy).reshape(-1)
     _, exponent = native.frexp(values)
-    keep = (values != 0) & native.isfinite(values)
-    index = native.clip(exponent[keep] + _EXPONENT_OFFSET, 0, _EXPONENT_BINS - 1)
-    return native.bincount(index, minlength=_EXPONENT_BINS).astype(np.float32)
+    weights = ((values != 0) & native.isfinite(values)).astype(np.float32)
+    index = native.clip(exponent + _EXPONENT_OFFSET, 0, _EXPONENT_BINS - 1)
+    if ops.is_numpy:
+        return np.bincount(index, weights=weights, minlength=_EXPONENT_BINS).astype(np.float32)
+    counts = native.zeros(_EXPONENT_BINS, dtype=np.float32)
+    native.add.at(counts, index, weights)  # a scatter-add on the device
+    return counts
 
 
 def weight_gradient_bound(gy: Any, x_bound: Any, headroom: float = 1.0, u_max: float | None = None) -> Any:
