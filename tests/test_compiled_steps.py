@@ -109,8 +109,11 @@ def _check_coefficients(state, graph):
         assert value == pytest.approx(read(numerator) / read(denominator), rel=1e-7)
     kinds = {kind for pair in graph.layout.pairs for kind, _ in pair}
     assert kinds == {"factor", "weight_factor", "weight_scale", "table", "cache", "one"}
-    # 4 scale points, 2 norms' parameter uses, a branch of 2, the output point and the input point
-    assert len(values) == 4 * 4 + 2 + 2 + 1 + 1
+    # 4 scale points, 2 norms' parameter uses, a branch of 2, the output point and the input point; on CUDA,
+    # whose autocast runs layer norm in float32 (CPU's does not), also the widening output point before it
+    widening = sum(name.endswith(":float32") for name in state.caches)
+    assert widening <= 1
+    assert len(values) == 4 * 4 + 2 + 2 + 1 + 1 + widening
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
