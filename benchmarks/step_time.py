@@ -70,16 +70,23 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 # -- timing ---------------------------------------------------------------------------------------------------------
 
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str) -> dict[str, list]:
-    """Per-step seconds of every variant, one list per repeat; variants interleaved step by step."""
+    """Per-step seconds of every variant, one list per repeat; variants interleaved step by step. A slow warm-up
+    round (compiling, capturing: minutes on a GPU) says so on stderr, so a run cut short shows how far it got."""
     sync = synchronizer(device)
     names = list(runners)
     k = 0
-    for _ in range(work.warmup):
+    for i in range(work.warmup):
         x, y = batches[k % len(batches)]
+        seconds = {}
         for name in names:
+            start = time.perf_counter()
             runners[name].step(x, y)
+            sync()
+            seconds[name] = time.perf_counter() - start
+        if sum(seconds.values()) > 2.0:
+            print(f"  warm-up {i + 1}/{work.warmup}: " + ", ".join(f"{n} {t:.1f} s" for n, t in seconds.items()),
+                  file=sys.stderr, flush=True)
         k += 1
-    sync()
     gc.collect()
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter
@@ -344,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             report(model_name, counts, REFERENCE, host)
             results["models"][model_name]["launches"] = counts
         results["checks"].extend(checks)
+        if args.json:  # after every model: a run cut short keeps the models it finished
+            _write_json(results, args.json)
         del runners, initial, batches
         gc.collect()
     missed = [c for c in results["checks"] if not c["pass"]]
@@ -355,11 +364,18 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; load average at end {' '.join(f'{v:.2f}' for v in env['loadavg_end'])}"
              if "loadavg_end" in env else ""))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        print(f"results written to {path}")
+        print(f"results written to {_write_json(results, args.json)}")
     return 1 if args.strict and missed else 0
+
+
+def _write_json(results: dict[str, Any], name: str) -> Path:
+    """``results`` as JSON at ``name``, replaced whole (written beside it, then renamed)."""
+    path = Path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    partial.replace(path)
+    return path
 
 
 if __name__ == "__main__":
