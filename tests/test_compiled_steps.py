@@ -10,6 +10,7 @@ eager steps running. The tests marked ``cuda`` run the same comparison on a GPU.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager, nullcontext
 
 import pytest
 
@@ -19,8 +20,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss_cli.core.array_ops import device_scalars  # noqa: E402
 
 from conftest import write_config  # noqa: E402
+from test_adaptive_torch_device import _forbidding_reads  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,6 +83,21 @@ def _gradients(model, scaler, x, y, autocast_dtype, pure=False):
     return grads
 
 
+@contextmanager
+def _reads_forbidden(device: str):
+    """Any read of a device value raises: CUDA's sync debug mode on a GPU; on CPU (the device path, see
+    ``device_scalars``) every Tensor method that reads a value."""
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        with pytest.MonkeyPatch.context() as monkeypatch, _forbidding_reads(monkeypatch):
+            yield
+
+
 def _stored(state):
     """What a refresh stores: the per-point arrays, the caches and the tables of this iteration's executions."""
     n = len(state.names)
@@ -117,9 +135,11 @@ def _check_coefficients(state, graph):
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
-                        period: int = 2, net: type = _Net) -> LossScaler:
+                        period: int = 2, net: type = _Net, forbid_reads: bool = False) -> LossScaler:
     """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
-    weights through the eager step too and compare every gradient, and after a refresh everything it stored."""
+    weights through the eager step too and compare every gradient, and after a refresh everything it stored.
+    ``forbid_reads``: once the first ``period`` steps compiled, the compiled steps' forward and backward must read
+    no device value (see :func:`_reads_forbidden`)."""
     torch.manual_seed(0)
     model = net().to(device)
     scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=period)
@@ -136,7 +156,8 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device).requires_grad_()
         y = torch.randint(0, 10, (8,), generator=gen).to(device)
         refresh, reuse, before = state.refresh, state.reuse, state.compiled_steps
-        compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
+        with _reads_forbidden(device) if forbid_reads and step >= period else nullcontext():
+            compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
         state.settle()
         # Compiled exactly on refresh steps and steps between refreshes (after an overflow's back-off a step only
         # recomputes its bounds, eagerly).
@@ -195,7 +216,9 @@ def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32():
 
 def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
     # Inductor keeps fused element-wise intermediates in float32 where eager rounds each to fp16: a few fp16 ulps.
-    _compare_with_eager("cpu", torch.float16, rtol=1e-2)
+    # On the device path (what CUDA runs), where the compiled steps must read no value back.
+    with device_scalars():
+        _compare_with_eager("cpu", torch.float16, rtol=1e-2, forbid_reads=True)
 
 
 def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch):
@@ -278,4 +301,4 @@ def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
-    _compare_with_eager("cuda", torch.float16, rtol=1e-2)
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True)
