@@ -86,6 +86,14 @@ def _start_momentum_at_zero(optimizer: torch.optim.Optimizer) -> None:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _is_plain(value: Any) -> bool:
+    """A Python number, string, None, or a tuple of numbers (Adam's betas): a setting that can be compared without
+    reading the device (a tensor setting is left out of the key)."""
+    if isinstance(value, tuple):
+        return all(isinstance(v, (int, float)) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
 @dataclass
 class _Captures:
     """What one batch signature (shapes, dtypes, devices) has: the graph's input tensors, its graphs by key with
@@ -238,8 +246,7 @@ class GraphedStep:
     def _optimizer_settings(self) -> tuple:
         """Every group's Python-valued settings but ``lr`` (momentum, betas, weight decay, ...): the fused step
         reads them as numbers, so a graph holds those of its capture."""
-        return tuple(tuple((k, v) for k, v in group.items() if k not in ("params", "lr")
-                           and isinstance(v, (bool, int, float, str, tuple, type(None))))
+        return tuple(tuple((k, v) for k, v in group.items() if k not in ("params", "lr") and _is_plain(v))
                      for group in self.optimizer.param_groups)
 
     def _key(self) -> tuple:

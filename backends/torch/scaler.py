@@ -255,7 +255,7 @@ class LossScaler:
         if not self.enabled:
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
             return torch.zeros((), dtype=torch.float32, device=device)
-        self._found_inf = None  # a new step: a capture attempt that was discarded may have left one
+        self._found_inf = None  # a new step: a capture that raised may have left one
         self.unscale_(optimizer)
         return self._found_inf
 
