@@ -157,8 +157,39 @@ def test_state_dict_round_trip_mid_trajectory_continues_identically(preset):
 def test_state_dict_contents_and_counters():
     p = dynamic("megatron")
     p.update(True)
-    assert p.state_dict() == {"method": "dynamic", "scale": 2.0 ** 32, "growth_tracker": 0, "hysteresis_left": 1,
-                              "seen_overflow": True, "overflows": 1, "skipped_steps": 1, "retries": 0}
+    assert p.state_dict() == {"method": "dynamic", "preset": "megatron", **PRESETS["megatron"], "scale": 2.0 ** 32,
+                              "growth_tracker": 0, "hysteresis_left": 1, "seen_overflow": True, "overflows": 1,
+                              "skipped_steps": 1, "retries": 0}
+
+
+def test_a_state_dict_carries_the_knobs_and_loading_it_restores_them():
+    """A policy built with other knobs takes the saved ones (GradScaler's state dict holds its factors and
+    interval too); a state saved before the knobs were part of it keeps the loader's."""
+    saved = dynamic("pytorch", growth_factor=4.0, backoff_factor=0.25, growth_interval=7, max_scale=2.0 ** 20)
+    loader = dynamic("pytorch")
+    loader.load_state_dict(saved.state_dict())
+    assert (loader.growth_factor, loader.backoff_factor, loader.growth_interval, loader.max_scale) == (
+        4.0, 0.25, 7, 2.0 ** 20)
+    old = {k: v for k, v in saved.state_dict().items() if k not in ("preset", *PRESETS["pytorch"])}
+    kept = dynamic("pytorch", growth_interval=3)
+    kept.load_state_dict(old)
+    assert kept.growth_interval == 3 and kept.scale == saved.scale
+
+
+def test_a_state_dict_with_impossible_knobs_is_refused_by_name():
+    state = dynamic("pytorch").state_dict()
+    state["backoff_factor"] = 2.0
+    with pytest.raises(UserError, match="backoff_factor 2.0 must be in"):
+        dynamic("pytorch").load_state_dict(state)
+
+
+def test_the_scale_never_grows_past_float32s_largest():
+    """GradScaler keeps its scale in a float32 tensor, which refuses a growth to inf; a Python float would grow to
+    1.6e39 and every later step would overflow."""
+    p = dynamic("pytorch", init_scale=1e38, growth_factor=16.0, growth_interval=1)
+    for _ in range(3):
+        p.update(False)
+    assert p.scale == 1e38
 
 
 @pytest.mark.parametrize("method", SCALING_METHODS)

@@ -73,10 +73,28 @@ def test_one_loop_for_every_method_and_power_of_two_scales_change_nothing_in_flo
         assert torch.equal(p, q), name
 
 
-def test_adaptive_get_scale_is_the_init_scale_and_the_transformed_model_is_used():
+@pytest.mark.parametrize("method, options", [("fixed", {"scale": 8.0}), ("dynamic", {"init_scale": 8.0}),
+                                             ("adaptive", {"init_scale": 8.0})])
+def test_get_scale_is_the_factor_the_gradients_carry_after_backward(method, options):
+    """The documented get_scale() contract: what the model's gradients carry when backward returns, as
+    GradScaler's. Adaptive's leave backward unscaled (1.0) although the loss is multiplied by init_scale."""
+    torch.manual_seed(0)
+    model = MLP(16, [8], 3)
+    reference = MLP(16, [8], 3)
+    reference.load_state_dict(model.state_dict())
+    scaler = LossScaler(model, method, **options)
+    x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert scaler.loss_scale == 8.0
+    assert scaler.get_scale() == (1.0 if method == "adaptive" else 8.0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad * scaler.get_scale(), rtol=1e-6, atol=0)
+
+
+def test_adaptive_transforms_the_model_in_place():
     model = MLP(16, [8], 3)
     scaler = LossScaler(model, "adaptive", init_scale=8.0)
-    assert scaler.get_scale() == 8.0
     assert scaler.model is model and installed_state(model) is scaler.state  # transformed in place
     assert LossScaler(MLP(16, [8], 3), "dynamic").model is not model
 

@@ -8,7 +8,6 @@ factors live elsewhere; :class:`AdaptiveGlobal` only holds the scale at the loss
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from enum import Enum
 from typing import Any, Callable
@@ -17,8 +16,12 @@ from adaloss_cli.config.schema import LossScalingConfig, SCALING_METHODS
 from adaloss_cli.core.presets import KNOBS, dynamic_problems, preset_knobs, resolve_dynamic
 from adaloss_cli.errors import LossScaleFloorError, UserError
 
-__all__ = ["StepAction", "ScalePolicy", "NoScaling", "FixedScaling", "DynamicScaling", "AdaptiveGlobal",
-           "build_policy", "resolve_dynamic"]
+__all__ = ["FLOAT32_MAX", "StepAction", "ScalePolicy", "NoScaling", "FixedScaling", "DynamicScaling",
+           "AdaptiveGlobal", "build_policy", "resolve_dynamic"]
+
+#: The largest finite float32: every scale is applied as a float32 tensor somewhere (the loss, a gradient), so no
+#: scale may grow past it (GradScaler keeps its scale in a float32 tensor and refuses such a growth too).
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class StepAction(str, Enum):
@@ -34,8 +37,9 @@ class StepAction(str, Enum):
 class ScalePolicy(ABC):
     """One global loss scale S and the decision after each backward.
 
-    Subclasses implement :meth:`_decide` (and, when they have state, :meth:`_state` / :meth:`_load_state`); the
-    counters of overflows, skipped steps and retries are kept here, the same way for every method.
+    Subclasses implement :meth:`_decide` (and, when they have them, :meth:`_settings` / :meth:`_load_settings` for
+    the knobs and :meth:`_state` / :meth:`_load_state` for what changes while training); the counters of overflows,
+    skipped steps and retries are kept here, the same way for every method.
     """
 
     method: str = ""
@@ -52,10 +56,17 @@ class ScalePolicy(ABC):
 
     def set_scale(self, scale: float) -> None:
         """Use ``scale`` from now on (``GradScaler.update(new_scale)``); the methods without a settable scale refuse."""
-        if not (math.isfinite(scale) and scale > 0) or not hasattr(self, "_scale"):
+        if not (0 < scale <= FLOAT32_MAX) or not hasattr(self, "_scale"):
             raise ValueError(f"cannot set the loss scale of method {self.method!r} to {scale!r}: it must be a "
-                             "positive finite number, for fixed, dynamic or adaptive")
+                             f"positive number up to float32's largest ({FLOAT32_MAX:g}), for fixed, dynamic or "
+                             "adaptive")
         self._scale = float(scale)
+
+    @property
+    def skips_on_overflow(self) -> bool:
+        """Whether a backward with a non-finite gradient keeps the optimizer from stepping (skip or retry); only
+        fixed scaling with ``skip_on_overflow: false`` applies such a step."""
+        return True
 
     def update(self, found_overflow: bool, attempt: int = 0) -> StepAction:
         """Record the outcome of one backward and say what to do with its gradients.
@@ -90,20 +101,29 @@ class ScalePolicy(ABC):
         return self._retries
 
     def state_dict(self) -> dict[str, Any]:
-        """The policy's state as a JSON-serialisable dict (an exact round trip through :meth:`load_state_dict`)."""
-        return {"method": self.method, **self._state(), "overflows": self._overflows,
+        """The policy's knobs and state as a JSON-serialisable dict (an exact round trip through
+        :meth:`load_state_dict`: a policy built with other knobs takes the saved ones)."""
+        return {"method": self.method, **self._settings(), **self._state(), "overflows": self._overflows,
                 "skipped_steps": self._skipped_steps, "retries": self._retries}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state saved by :meth:`state_dict` of a policy of the same method."""
+        """Restore the state saved by :meth:`state_dict` of a policy of the same method. A state saved before the
+        knobs were part of it keeps this policy's knobs."""
         if state.get("method") != self.method:
             raise UserError(f"Cannot resume: the checkpoint holds loss-scaling state of method "
                             f"{state.get('method')!r}, but loss_scaling.method is {self.method!r}. Resume with "
                             f"the run's own config.yaml, or start a new run.")
+        self._load_settings(state)
         self._load_state(state)
         self._overflows = int(state["overflows"])
         self._skipped_steps = int(state["skipped_steps"])
         self._retries = int(state["retries"])
+
+    def _settings(self) -> dict[str, Any]:
+        return {}
+
+    def _load_settings(self, state: dict[str, Any]) -> None:
+        pass
 
     def _state(self) -> dict[str, Any]:
         return {}
@@ -143,8 +163,20 @@ class FixedScaling(ScalePolicy):
     def scale(self) -> float:
         return self._scale
 
+    @property
+    def skips_on_overflow(self) -> bool:
+        return self.skip_on_overflow
+
     def _decide(self, found_overflow: bool, attempt: int) -> StepAction:
         return StepAction.SKIP if found_overflow and self.skip_on_overflow else StepAction.STEP
+
+    def _settings(self) -> dict[str, Any]:
+        return {"scale": self._scale, "skip_on_overflow": self.skip_on_overflow}
+
+    def _load_settings(self, state: dict[str, Any]) -> None:
+        if "scale" in state:
+            self.set_scale(float(state["scale"]))
+        self.skip_on_overflow = bool(state.get("skip_on_overflow", self.skip_on_overflow))
 
 
 class AdaptiveGlobal(ScalePolicy):
@@ -199,6 +231,24 @@ class AdaptiveGlobal(ScalePolicy):
             self._growth_tracker = 0
             self._headroom = min(self._headroom * self.growth_factor, 1.0)
         return StepAction.STEP
+
+    def _settings(self) -> dict[str, Any]:
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "on_overflow": self.on_overflow,
+                "max_retries": self.max_retries}
+
+    def _load_settings(self, state: dict[str, Any]) -> None:
+        if "backoff_factor" not in state:  # saved before the knobs were part of the state
+            return
+        backoff, interval = float(state["backoff_factor"]), int(state["growth_interval"])
+        growth, on_overflow = float(state["growth_factor"]), str(state["on_overflow"])
+        if not 0.0 < backoff <= 1.0 or growth < 1.0 or interval < 1 or on_overflow not in ("skip", "retry"):
+            raise UserError(f"Cannot load adaptive loss-scaling state: backoff_factor {backoff!r} must be in (0, 1], "
+                            f"growth_factor {growth!r} >= 1, growth_interval {interval!r} >= 1, on_overflow "
+                            f"{on_overflow!r} skip or retry")
+        self.set_scale(float(state["scale"]))
+        self.backoff_factor, self.growth_factor, self.growth_interval = backoff, growth, interval
+        self.on_overflow, self.max_retries = on_overflow, int(state["max_retries"])
 
     def _state(self) -> dict[str, Any]:
         return {"headroom": self._headroom, "growth_tracker": self._growth_tracker}
@@ -318,7 +368,7 @@ class DynamicScaling(ScalePolicy):
         grown = self._scale * factor
         if self.max_scale is not None:
             grown = min(grown, self.max_scale)
-        if math.isfinite(grown):  # as GradScaler: an infinite scale would turn every gradient into inf/NaN
+        if grown <= FLOAT32_MAX:  # as GradScaler: a scale infinite in float32 would make every gradient inf/NaN
             self._scale = grown
 
     def _on_overflow(self) -> None:
@@ -337,6 +387,21 @@ class DynamicScaling(ScalePolicy):
         backed_off = self._scale * self.backoff_factor
         self._scale = backed_off if self.min_scale is None else max(backed_off, self.min_scale)
 
+    def _settings(self) -> dict[str, Any]:
+        return {"preset": self.preset, **self.knobs}
+
+    def _load_settings(self, state: dict[str, Any]) -> None:
+        if "growth_factor" not in state:  # saved before the knobs were part of the state
+            return
+        knobs = {key: state.get(key, value) for key, value in self.knobs.items()}
+        preset = str(state.get("preset", self.preset))
+        problems = dynamic_problems(knobs, preset) + _knob_range_problems(knobs)
+        if problems:
+            raise UserError("Cannot load dynamic loss-scaling state:\n  " + "\n  ".join(problems))
+        self.preset = preset
+        for key, value in knobs.items():
+            setattr(self, key, value)
+
     def _state(self) -> dict[str, Any]:
         return {"scale": self._scale, "growth_tracker": self._growth_tracker,
                 "hysteresis_left": self._hysteresis_left, "seen_overflow": self._seen_overflow}
@@ -349,6 +414,23 @@ class DynamicScaling(ScalePolicy):
 
     def __repr__(self) -> str:
         return f"DynamicScaling(preset={self.preset!r}, scale={self._scale!r})"
+
+
+def _knob_range_problems(knobs: dict[str, Any]) -> list[str]:
+    """What the config schema checks field by field, for knobs that come from elsewhere (a state dict)."""
+    problems = []
+    for key in ("init_scale", "min_scale", "max_scale"):
+        value = knobs[key]
+        if value is not None and not 0.0 < value <= FLOAT32_MAX:
+            problems.append(f"{key} {value!r} must be in (0, {FLOAT32_MAX:g}]")
+    if not knobs["growth_factor"] >= 1.0:
+        problems.append(f"growth_factor {knobs['growth_factor']!r} must be >= 1")
+    if not 0.0 < knobs["backoff_factor"] <= 1.0:
+        problems.append(f"backoff_factor {knobs['backoff_factor']!r} must be in (0, 1]")
+    for key in ("growth_interval", "hysteresis", "max_retries"):
+        if int(knobs[key]) < 1:
+            problems.append(f"{key} {knobs[key]!r} must be >= 1")
+    return problems
 
 
 def _dynamic_from_config(cfg: LossScalingConfig) -> DynamicScaling:

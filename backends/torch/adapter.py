@@ -160,7 +160,7 @@ class TorchBackend(Backend):
             return self._graphed_train_step(micro_batches[0])
         retries, overflowed = 0, False
         while True:
-            scale = self.scaler.get_scale()
+            scale = self.scaler.loss_scale
             loss = self._backward(micro_batches, record)
             layers = self.scaler.layer_records() if record else []
             self.scaler.unscale_(self.optimizer)
@@ -178,7 +178,7 @@ class TorchBackend(Backend):
 
     def _graphed_train_step(self, batch: Batch) -> StepOutcome:
         """One optimizer step replayed from its CUDA graph (retries included); recorded steps run eagerly."""
-        scale = self.scaler.get_scale()
+        scale = self.scaler.loss_scale
         loss = self.graphed(*self._to_device(batch))
         graphed = self.graphed
         return StepOutcome(loss=loss, overflow=graphed.last_overflowed, skipped=not self.scaler.stepped,
@@ -258,5 +258,5 @@ class TorchBackend(Backend):
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
     def final_scale(self) -> float:
-        """The global loss scale now."""
-        return self.scaler.get_scale()
+        """The global loss scale now (what the loss is multiplied by)."""
+        return self.scaler.loss_scale

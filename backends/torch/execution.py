@@ -15,7 +15,18 @@ from adaloss_cli.core.array_ops import host_view
 if TYPE_CHECKING:
     from .scale_state import ScaleState
 
-__all__ = ["Execution", "GraphPlan", "HostMirror"]
+__all__ = ["DOUBLE_BACKWARD", "DoubleBackwardError", "Execution", "GraphPlan", "HostMirror"]
+
+DOUBLE_BACKWARD = (
+    "adaloss: adaptive loss scaling cannot differentiate through its model twice (a backward with "
+    "create_graph=True, e.g. torch.autograd.grad(..., create_graph=True) for a gradient penalty or a Hessian-vector "
+    "product): its per-layer factors are constants of the first backward, so second-order gradients through them "
+    "would be wrong. Give the model you differentiate twice (a WGAN-GP critic) a LossScaler(model, 'dynamic') of "
+    "its own, and keep adaptive scaling on the others (the generator)")
+
+
+class DoubleBackwardError(RuntimeError):
+    """A backward with ``create_graph=True`` through an adaptive model (see :data:`DOUBLE_BACKWARD`)."""
 
 
 @dataclass
@@ -87,7 +98,10 @@ class Execution:
         return self.state.cache_view(name)
 
     def started_backward(self) -> None:
-        """The first backward node of this execution tells the state (once)."""
+        """Every backward node of an adaptive execution calls this first: the first tells the state (once), and a
+        backward that records a graph of its own (``create_graph=True``) is refused."""
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(DOUBLE_BACKWARD)
         if not self._started:
             self._started = True
             self.state.ran_backward(self)

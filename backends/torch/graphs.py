@@ -178,7 +178,7 @@ class GraphedStep:
                 graph, result = self._graph_for(key)
                 graph.replay()
             found, loss = result.tolist()  # the step's one host read: overflow flag and loss
-            scaler.finish_device_step(bool(found), loss)
+            scaler.finish_device_step(self.optimizer, bool(found), loss)
             self.last_overflowed = self.last_overflowed or scaler.found_overflow
             if not scaler.should_retry:
                 return loss
@@ -238,7 +238,7 @@ class GraphedStep:
         optimizer's settings other than the learning rate (a momentum or betas schedule captures again)."""
         scaler = self.scaler
         state = scaler.state
-        context: tuple = (scaler.get_scale(), self._optimizer_settings())
+        context: tuple = (scaler.loss_scale, self._optimizer_settings())
         if state is not None:
             context += (state.headroom, state.pure_dtype, state.layout_generation, len(state.caches))
         return context

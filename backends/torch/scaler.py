@@ -17,8 +17,12 @@ are all-reduced before that read, so every process takes the same decision and l
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -41,16 +45,43 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+@functools.lru_cache(maxsize=64)
+def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
+    """Whether an optimizer's step function has GradScaler's deprecated ``grad_scaler`` keyword."""
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+class _Stage(Enum):
+    """Where one optimizer is in the current iteration (GradScaler's ``OptState``)."""
+    READY = "ready"          # nothing done yet
+    UNSCALED = "unscaled"    # unscale_ divided its gradients and noted the overflow flag
+    CHECKED = "checked"      # step checked its gradients and left the dividing to the optimizer (AMP protocol)
+    STEPPED = "stepped"      # step ran (or skipped) it
+
+
+@dataclass
+class _OptimizerRecord:
+    """One optimizer's iteration: its stage, its overflow flag on the device, and that flag read back."""
+    stage: _Stage = _Stage.READY
+    found_inf: torch.Tensor | None = None
+    found: bool | None = None
+
+
 class LossScaler:
-    """Loss scaling for one model and optimizer, with the call pattern of ``torch.amp.GradScaler``.
+    """Loss scaling for a PyTorch training loop, with the calls of ``torch.amp.GradScaler``.
 
     Args:
         model: the model to train, with float32 parameters. For ``adaptive`` it is transformed in place (its forward
             is captured with torch.compile and rewritten so that every layer's backward carries a scale of its own;
-            its parameters, ``state_dict`` and any optimizer stay as they are); ``scaler.model`` is ``model``.
+            its parameters, ``state_dict`` and any optimizer stay as they are); ``scaler.model`` is ``model``. The
+            other methods only use it for ``compile`` and the per-layer records of the trainer, and take None.
         method: ``none``, ``fixed``, ``dynamic`` or ``adaptive``.
         config: a validated ``LossScalingConfig`` (as the trainer passes); otherwise ``options`` are the keys of
-            the method's config section, e.g. ``scale=128`` for fixed, ``preset="deepspeed"`` for dynamic,
+            the method's config section, e.g. ``scale=128`` for fixed, ``preset="deepspeed"`` or ``init_scale``,
+            ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``max_scale`` for dynamic,
             ``loss_scale_method="abs_range"`` for adaptive.
         enabled: False makes every call a pass-through (``scale`` returns the loss, ``step`` calls
             ``optimizer.step()``), as ``GradScaler(enabled=False)``: call sites need no ``if``.
@@ -66,14 +97,24 @@ class LossScaler:
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
             process: every parameter gradient leaves backward unscaled, so DistributedDataParallel averages true
             gradients whatever scales each process chose.
+
+    As with GradScaler, one scaler serves several losses and optimizers per iteration (``scale(loss).backward()``
+    for each loss, ``step(optimizer)`` for each optimizer, then ``update()`` once); an adaptive scaler transforms
+    one model, so give each model trained with adaptive scaling its own scaler (models chained in one loss, a
+    GAN's generator and critic, must then keep the same ``init_scale``: each model's input gradient leaves it at
+    that scale). What adaptive scaling cannot do right it refuses by name: differentiating through its model twice
+    (``create_graph=True``, a gradient penalty) and pickling (save :meth:`state_dict` instead).
     """
 
-    def __init__(self, model: nn.Module, method: str = "dynamic", *, config: LossScalingConfig | None = None,
+    def __init__(self, model: nn.Module | None, method: str = "dynamic", *, config: LossScalingConfig | None = None,
                  enabled: bool = True, process_group: Any = None, fused: bool = False, compile: bool = False,
                  **options: Any) -> None:
         self.config = config if config is not None else scaling_config(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
+        if model is None and ((self.method == "adaptive" and enabled) or compile):
+            raise ValueError(f"LossScaler(None, {self.method!r}{', compile=True' if compile else ''}) needs the "
+                             "model it scales: pass it as the first argument")
         self.model = model
         self.enabled = bool(enabled)
         self.process_group = process_group
@@ -89,7 +130,8 @@ class LossScaler:
             install(model, self.state)
         elif compile:
             model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay
-        self._found_inf: torch.Tensor | None = None
+        self._optimizers: dict[int, _OptimizerRecord] = {}
+        self._read_this_iteration = False
         self._model_ids: frozenset[int] | None = None
         self._attempt = 0
         self.last_action: StepAction | None = None
@@ -109,17 +151,43 @@ class LossScaler:
     # -- the GradScaler calls -------------------------------------------------------------------------------------------
 
     def get_scale(self) -> float:
-        """The global loss scale the next backward will use (1.0 when disabled)."""
+        """The factor the model's parameter gradients carry when ``backward()`` returns, until :meth:`unscale_`
+        divides it out: what ``GradScaler.get_scale()`` is, so code that reads it to interpret or clip gradients
+        stays right. none: 1; fixed: its scale; dynamic: the current scale (it changes only in :meth:`update`);
+        1.0 when disabled.
+
+        adaptive: 1.0. Every layer picks its own scale, and each parameter gradient of the model leaves
+        ``backward()`` already divided by the scale it was computed at. The loss is still multiplied by
+        :attr:`loss_scale` (``init_scale``, 1 by default), so a gradient outside the model (a parameter the loss
+        uses directly) carries that instead; :meth:`unscale_` divides each by its own. The per-layer scales are
+        :meth:`layer_records` (recorded steps) and ``state_dict()["layers"]``."""
+        if not self.enabled or self.method == "adaptive":
+            return 1.0
+        return float(self.policy.scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """What :meth:`scale` multiplies the loss by (1.0 when disabled): :meth:`get_scale` for every method but
+        adaptive, whose ``init_scale`` it is."""
         return float(self.policy.scale) if self.enabled else 1.0
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply the loss (or each tensor of a list or tuple of them) by the loss scale before ``backward()``."""
-        scale = self.policy.scale
-        if not self.enabled or scale == 1.0:
+        """Multiply the loss (or each tensor of a list or tuple of them, nested or not) by :attr:`loss_scale`
+        before ``backward()``. A float16 or bfloat16 loss is promoted to float32 first, as GradScaler does (65536
+        times a float16 loss of 1 would be inf)."""
+        if not self.enabled:
             return outputs
+        scale = self.policy.scale
         if isinstance(outputs, torch.Tensor):
-            return outputs * scale
-        return type(outputs)(self.scale(o) for o in outputs)
+            if outputs.dtype in (torch.float32, torch.float64):
+                return outputs if scale == 1.0 else outputs * scale
+            if not outputs.is_floating_point():
+                raise ValueError(f"LossScaler.scale: the loss must be a floating-point tensor, not {outputs.dtype}")
+            return outputs.float() * scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise ValueError(f"LossScaler.scale: outputs must be a Tensor or a list or tuple of Tensors, not "
+                         f"{type(outputs).__name__}")
 
     def is_enabled(self) -> bool:
         """Whether the scaler does anything (``enabled`` at construction)."""
@@ -174,21 +242,53 @@ class LossScaler:
             self._model_ids = frozenset(id(p) for p in self.model.parameters())
         return self._model_ids
 
+    def _record_of(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+        return self._optimizers.setdefault(id(optimizer), _OptimizerRecord())
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the loss scale in place and note whether any is not finite.
+        """Divide the optimizer's gradients by the scale they carry, in place, and note whether any is not finite.
 
         Call it before gradient clipping so that clipping sees true gradients; :meth:`step` calls it otherwise.
+        Once per optimizer per iteration, as GradScaler: a second call before :meth:`update` raises (it would
+        divide again).
         """
-        if self._found_inf is not None or not self.enabled:
+        if not self.enabled:
             return
+        record = self._record_of(optimizer)
+        if record.stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if record.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
         if self.state is not None:
             self.state.settle()  # a compiled refresh's values, before anything reads the state
         self._check_adaptive_ran(optimizer)
+        record.found_inf = self._unscale_grads(optimizer, divide=True)
+        record.stage = _Stage.UNSCALED
+
+    def _unscale_grads(self, optimizer: torch.optim.Optimizer, divide: bool) -> torch.Tensor:
+        """Divide every gradient of ``optimizer`` by the scale it carries (``divide``; else only check them) with
+        torch's fused multi-tensor kernel; returns the overflow flag, 0.0 or 1.0, as a 0-d float32 tensor.
+
+        A sparse gradient is checked and divided through its values; a float16 one is coalesced first, since
+        summing its duplicate indices may overflow where the uncoalesced values did not (as GradScaler does). A
+        float16 gradient is refused when dividing, as GradScaler refuses it: dividing in float16 underflows again
+        what scaling saved (keep float32 parameters, the master weights, and compute in float16 with autocast)."""
         grads: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    grads[(p.grad.device, p.grad.dtype, self._grad_divisor(p))].append(p.grad)
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if divide and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: the optimizer holds a float16 "
+                                     "parameter. Keep the parameters in float32 and compute in float16 under "
+                                     "torch.autocast (or precision.mode: pure), as GradScaler requires too")
+                if grad.is_sparse:
+                    if grad.dtype == torch.float16:
+                        p.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                divisor = self._grad_divisor(p) if divide else 1.0
+                grads[(grad.device, grad.dtype, divisor)].append(grad)
         # One flag per device, shared by its groups: the kernel only ever writes 1.0 into it, so the flag stays
         # 0 or 1, which is what a fused optimizer's skip needs (it skips on exactly 1.0; a sum of two groups' flags
         # would make it apply a step of NaN gradients). It is 0-d, the shape fused Adam's step counter takes.
@@ -197,10 +297,13 @@ class LossScaler:
             flag = flags.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
             inv = torch.full((), 1.0 / divisor, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
-        found, *others = list(flags.values()) or [torch.zeros((), dtype=torch.float32)]
+        found, *others = list(flags.values()) or [torch.zeros((), dtype=torch.float32, device=self._device())]
         for flag in others:  # (a model split over devices)
             found = torch.maximum(found, flag.to(found.device))
-        self._found_inf = found
+        return found
+
+    def _device(self) -> torch.device:
+        return _device_of(self.model) if self.model is not None else torch.device("cpu")
 
     def _check_adaptive_ran(self, optimizer: torch.optim.Optimizer) -> None:
         """Adaptive scaling must have run in this step's backward, or the gradients were never scaled: say so
@@ -221,21 +324,68 @@ class LossScaler:
         """``optimizer.step(*args, **kwargs)`` unless a gradient overflowed, as ``GradScaler.step``: returns what
         the optimizer returned, or None when the step was skipped (:attr:`stepped` says which).
 
-        ``loss`` (optional, keyword) is read back in the same device-to-host transfer as the overflow flag and kept
-        in ``last_loss``, so logging the loss costs no extra synchronisation; so are, after a refresh on a device,
-        the adaptive factors the steps until the next refresh apply. After an overflow, ``last_action``
-        says whether the policy wants the step skipped or the same batch retried with the new scale.
+        Call it once per optimizer per iteration, then :meth:`update` once: with several optimizers each is
+        unscaled and checked on its own, and the scale changes only in :meth:`update`. Each call reads its
+        overflow flag back to the host (one read; GradScaler reads it too, to skip). ``loss`` (optional, keyword)
+        comes back in the same transfer and is kept in ``last_loss``, so logging the loss costs no extra
+        synchronisation; so do, after a refresh on a device, the adaptive factors the steps until the next refresh
+        apply.
+
+        An optimizer with ``_step_supports_amp_scaling`` (torch's fused optimizers, or one of your own) is given
+        the AMP protocol's attributes for its ``step()``: ``grad_scale`` (the scale tensor its gradients still
+        carry, or None once unscaled; adaptive always unscales first, since its gradients carry several scales)
+        and ``found_inf`` (the overflow flag, 0.0 here: an overflowing step is not called).
         """
         if not self.enabled:
             self.stepped = True
             return optimizer.step(*args, **kwargs)
-        self.unscale_(optimizer)
-        values = self._found_inf.reshape(1).float()
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if LossScaler is enabled (as GradScaler): "
+                               "run the forward and backward yourself, then call step.")
+        record = self._record_of(optimizer)
+        if record.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        amp_protocol = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if amp_protocol and _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):
+            raise TypeError(
+                f"{type(optimizer).__name__}.step takes grad_scaler=, GradScaler's deprecated way of passing itself "
+                "to an optimizer, whose code then calls GradScaler's private methods; LossScaler cannot stand in "
+                "there. Read the protocol's optimizer.grad_scale and optimizer.found_inf in step() instead")
+        grad_scale = None
+        if record.stage is _Stage.READY:
+            if amp_protocol and self.method != "adaptive":  # the optimizer divides as it steps
+                record.found_inf = self._unscale_grads(optimizer, divide=False)
+                grad_scale = torch.full((), self.policy.scale, dtype=torch.float32, device=record.found_inf.device)
+                record.stage = _Stage.CHECKED
+            else:
+                self.unscale_(optimizer)
+        found = self._read_back(record, loss)
+        record.stage = _Stage.STEPPED
+        self.stepped = not (found and self.policy.skips_on_overflow)
+        if not self.stepped:
+            return None
+        if not amp_protocol:
+            return optimizer.step(*args, **kwargs)
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = torch.zeros_like(record.found_inf)  # type: ignore[attr-defined]
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+
+    def _read_back(self, record: _OptimizerRecord, loss: torch.Tensor | None) -> bool:
+        """The step's one host read: ``record``'s overflow flag (all-reduced over the process group), the loss
+        when given, and the first time in an iteration the adaptive factors the next steps apply."""
+        values = record.found_inf.reshape(1).float()
         if loss is not None:
             values = torch.cat([values, loss.detach().reshape(1).float().to(values.device)])
         if self.process_group is not None:
             values = self._all_reduce(values)
-        mirror = self.state.mirror_request() if self.state is not None else None
+        mirror = None
+        if not self._read_this_iteration:  # the iteration's first read
+            self.found_overflow = False
+            mirror = self.state.mirror_request() if self.state is not None else None
+            self._read_this_iteration = True
         if mirror is not None:  # the factors of the steps until the next refresh, in the same read
             values = torch.cat([values, mirror.to(values.device)])
         found, *rest = values.tolist()
@@ -244,10 +394,9 @@ class LossScaler:
             del rest[len(rest) - mirror.numel():]
         if rest:
             self.last_loss = rest[0]
-        self.found_overflow = bool(found)
-        self.last_action = self.policy.update(self.found_overflow, self._attempt)
-        self.stepped = self.last_action is StepAction.STEP
-        return optimizer.step(*args, **kwargs) if self.stepped else None
+        record.found = bool(found)
+        self.found_overflow = self.found_overflow or record.found
+        return record.found
 
     def unscale_on_device(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """:meth:`unscale_` without any host read, for a step captured in a CUDA graph (``graphs.GraphedStep``):
@@ -255,29 +404,35 @@ class LossScaler:
         if not self.enabled:
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
             return torch.zeros((), dtype=torch.float32, device=device)
-        self._found_inf = None  # a new step: a capture that raised may have left one
+        self._optimizers.pop(id(optimizer), None)  # a new step: a capture that raised may have left one
         self.unscale_(optimizer)
-        return self._found_inf
+        return self._optimizers[id(optimizer)].found_inf
 
     @property
     def steps_on_overflow(self) -> bool:
         """Whether an overflowing step is applied anyway (fixed scaling with ``skip_on_overflow: false``, or a
         disabled scaler); every other policy skips or retries it."""
-        return not self.enabled or getattr(self.policy, "skip_on_overflow", True) is False
+        return not self.enabled or not self.policy.skips_on_overflow
 
-    def finish_device_step(self, found_overflow: bool, loss: float | None = None) -> None:
+    def finish_device_step(self, optimizer: torch.optim.Optimizer, found_overflow: bool,
+                           loss: float | None = None) -> None:
         """After a step whose optimizer applied the skip itself on the device (:meth:`unscale_on_device`): the
-        policy's decision from the flag read back, then :meth:`update`. The two agree: the optimizer was given the
-        flag exactly when the policy never steps on an overflow (see :attr:`steps_on_overflow`)."""
+        flag read back, then :meth:`update`. The two agree: the optimizer was given the flag exactly when the
+        policy never steps on an overflow (see :attr:`steps_on_overflow`)."""
         self.last_loss = loss
-        self.found_overflow = bool(found_overflow)
-        self.last_action = self.policy.update(self.found_overflow, self._attempt) if self.enabled else StepAction.STEP
-        self.stepped = self.last_action is StepAction.STEP
+        if not self.enabled:
+            self.stepped, self.last_action = True, StepAction.STEP
+            return
+        record = self._record_of(optimizer)
+        record.found, record.stage = bool(found_overflow), _Stage.STEPPED
+        self.found_overflow = record.found
+        self._read_this_iteration = True
+        self.stepped = not (record.found and self.policy.skips_on_overflow)
         self.update()
 
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
-        """[overflow flag, loss?] over the process group in one collective: the flags are 0 or positive, so their
-        sum is non-zero exactly when their maximum is (any process overflowed); the loss becomes the mean."""
+        """[overflow flags..., loss?] over the process group in one collective: the flags are 0 or positive, so
+        their sum is non-zero exactly when their maximum is (any process overflowed); the loss becomes the mean."""
         import torch.distributed as dist
 
         dist.all_reduce(values, group=self.process_group)
@@ -285,21 +440,45 @@ class LossScaler:
         return values
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Finish the iteration: the next ``backward`` starts a new step (or the retry of this one). ``new_scale``
-        sets the loss scale from now on, as in ``GradScaler.update``."""
+        """Finish the iteration: the policy sees whether any optimizer's gradients overflowed (the scale grows or
+        backs off here, never in :meth:`step`), and the next ``backward`` starts a new step (or the retry of this
+        one). ``new_scale`` sets the loss scale from now on, as in ``GradScaler.update``.
+
+        Without any :meth:`step` or :meth:`unscale_` since the last update nothing was checked: the policy is not
+        consulted (GradScaler raises there) and only the iteration ends."""
         if not self.enabled:
             return
+        records = [r for r in self._optimizers.values() if r.found_inf is not None or r.found is not None]
+        self._read_unread(records)
+        found = any(r.found for r in records)
+        self.last_action = self.policy.update(found, self._attempt) if records else None
         if new_scale is not None:
             self.policy.set_scale(float(new_scale))
         retry = self.last_action is StepAction.RETRY
         self._attempt = self._attempt + 1 if retry else 0
-        self._found_inf = None
+        self._optimizers.clear()
+        self._read_this_iteration = False
+        self.found_overflow = found  # what this iteration found, until the next one reads its first flag
         for state in (self.state, self._measuring_state):
             if state is not None:
                 state.finish_iteration(retry)
                 state.backward_passes = 0
         if self.state is not None:
             self.state.set_headroom(self.policy.headroom)  # type: ignore[attr-defined]
+
+    def _read_unread(self, records: list[_OptimizerRecord]) -> None:
+        """The flags of optimizers unscaled but never stepped this iteration, in one host read (GradScaler's update
+        counts them too)."""
+        unread = [r for r in records if r.found is None]
+        if not unread:
+            return
+        flags = torch.stack([r.found_inf.reshape(()).float().to(unread[0].found_inf.device) for r in unread])
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(flags, group=self.process_group)
+        for r, value in zip(unread, flags.tolist()):
+            r.found = bool(value)
 
     @property
     def should_retry(self) -> bool:
@@ -316,6 +495,8 @@ class LossScaler:
         parameters, all factors 1); None, with a warning, when the model cannot be captured."""
         if self.method == "adaptive":
             return self.model
+        if self.model is None:
+            return None
         if self._measuring is None:
             self._measuring_state = ScaleState(None, self.policy.scale, _device_of(self.model))
             self._measuring_state.pure_dtype = getattr(self, "_pure_dtype", None)
@@ -361,18 +542,79 @@ class LossScaler:
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume scaling exactly."""
+        """Everything needed to resume scaling exactly: the method, the policy's knobs and state, and for adaptive
+        every per-layer scale. Empty when disabled, as GradScaler's.
+
+        A dynamic scaler's state dict is also a ``torch.amp.GradScaler`` state dict (it carries ``scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval`` and ``_growth_tracker`` as GradScaler names them),
+        so a job can switch back with ``grad_scaler.load_state_dict(loss_scaler.state_dict())``; the dynamic knobs
+        GradScaler has no field for (hysteresis, floor and ceiling) stay behind."""
+        if not self.enabled:
+            return {}
+        self._check_between_iterations("state_dict()")
         state: dict[str, Any] = {"method": self.method, "policy": self.policy.state_dict()}
         if self.state is not None:
             state["layers"] = self.state.state_dict_values()
+        if self.method == "dynamic":
+            policy = state["policy"]
+            state.update({"scale": policy["scale"], "growth_factor": policy["growth_factor"],
+                          "backoff_factor": policy["backoff_factor"], "growth_interval": policy["growth_interval"],
+                          "_growth_tracker": policy["growth_tracker"]})
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses state saved for another method."""
+        """Restore :meth:`state_dict`, knobs included; refuses state saved for another method. A dynamic scaler
+        also loads a ``torch.amp.GradScaler`` state dict (scale, factors, interval and growth tracker; the other
+        knobs stay this scaler's), so a running job can switch to adaloss."""
+        if not self.enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
+                               "scaler (a disabled LossScaler or GradScaler saves nothing).")
         state = state_dict
+        if "method" not in state and "_growth_tracker" in state:
+            state = self._from_gradscaler(state)
         if state.get("method") != self.method:
             raise ValueError(f"loss-scaler state is for method {state.get('method')!r}, not {self.method!r}")
         self.policy.load_state_dict(state["policy"])
         if self.state is not None and "layers" in state:
             self.state.load_state_values(state["layers"])
             self.state.set_headroom(self.policy.headroom)  # type: ignore[attr-defined]
+
+    def _from_gradscaler(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A ``torch.amp.GradScaler`` state dict in this scaler's form (dynamic only)."""
+        if self.method != "dynamic":
+            raise ValueError(f"a torch.amp.GradScaler state dict loads into a dynamic LossScaler only, not into "
+                             f"{self.method!r}: build LossScaler(model, 'dynamic') to continue that job's scaling")
+        policy = self.policy.state_dict()
+        policy.update(scale=float(saved["scale"]), growth_factor=float(saved["growth_factor"]),
+                      backoff_factor=float(saved["backoff_factor"]), growth_interval=int(saved["growth_interval"]),
+                      growth_tracker=int(saved["_growth_tracker"]))
+        return {"method": "dynamic", "policy": policy}
+
+    def _check_between_iterations(self, what: str) -> None:
+        if self._optimizers:
+            raise RuntimeError(f"LossScaler.{what} is only allowed between iterations (before the first step or "
+                               "after update()), as GradScaler's pickling: an optimizer was unscaled or stepped "
+                               "since the last update()")
+
+    # -- pickling ----------------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle (or ``copy.deepcopy``) keeps: the method, its knobs and state, never the model (a dynamic
+        scaler needs none; pickling one used to carry a whole copy of it). An adaptive scaler refuses: its state
+        lives in the graph it installed in its model, which an unpickled scaler would not be attached to."""
+        if self.enabled and self.method == "adaptive":
+            raise TypeError("an adaptive LossScaler cannot be pickled or deep-copied: its per-layer state lives in "
+                            "the model it transformed. Save scaler.state_dict() (with the model's) and load it into "
+                            "LossScaler(model, 'adaptive') built on the restored model")
+        if self.process_group is not None:
+            raise TypeError("a LossScaler with a process_group cannot be pickled: the group cannot travel; save "
+                            "scaler.state_dict() and build the scaler again in each process")
+        self._check_between_iterations("pickling")
+        return {"config": self.config, "enabled": self.enabled, "state": self.state_dict()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.__init__(None, config=saved["config"], enabled=saved["enabled"])  # type: ignore[misc]
+        if saved["state"]:
+            self.load_state_dict(saved["state"])
