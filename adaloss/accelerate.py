@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from adaloss_cli.backends.torch.scaler import LossScaler
+from adaloss.torch.scaler import LossScaler
 
 if importlib.util.find_spec("accelerate") is None:
     raise ImportError("adaloss.accelerate needs accelerate, which is not installed; install it with: pip install "

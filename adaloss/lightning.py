@@ -23,9 +23,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from adaloss_cli.backends.torch.graph_transform import TransformError
-from adaloss_cli.backends.torch.scaler import LossScaler
-from adaloss_cli.config.loader import scaling_config
+from adaloss.errors import TransformError
+from adaloss.torch.scaler import LossScaler
+from adaloss.options import scaling_options
 
 if importlib.util.find_spec("lightning") is None:
     raise ImportError("adaloss.lightning needs Lightning, which is not installed; install it with: pip install "
@@ -50,7 +50,7 @@ class _LossScalerFromModule:
 
     def _init_scaling(self, method: str, submodule: str | None, process_group: Any, options: dict) -> None:
         # Validated now, so that a bad option fails where the plugin is written, not when training starts.
-        self.config = scaling_config(method, options)
+        self.config = scaling_options(method, options)
         self.method = self.config.method
         self.submodule = submodule
         self.process_group = process_group

@@ -9,7 +9,7 @@ folders are found where they lie.
 
 from pathlib import Path as _Path
 
-__version__ = "0.1.0"
+from adaloss import __version__  # noqa: F401  (the app is versioned with its library)
 
 
 def _source_root() -> _Path | None:

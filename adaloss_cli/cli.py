@@ -14,8 +14,8 @@ import sys
 
 import click
 
-from adaloss_cli import __version__
-from adaloss_cli.errors import AdalossError
+from adaloss import __version__
+from adaloss.errors import AdalossError
 from adaloss_cli.signals import signal_of, sigterm_raises
 
 # command name -> (module, function, one-line help shown in `adaloss --help`)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
-from adaloss_cli.errors import AdalossError, UserError
+from adaloss.errors import AdalossError, UserError
 
 T = TypeVar("T")
 Batch = tuple[np.ndarray, np.ndarray]

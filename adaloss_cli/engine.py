@@ -20,12 +20,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaloss_cli.backends import get_backend
-from adaloss_cli.backends.base import OUTPUT_RECORD, Backend, LayerRecord, StepOutcome
+from adaloss.records import OUTPUT_RECORD, LayerRecord
+from adaloss_cli.backends.base import Backend, StepOutcome
 from adaloss_cli.config.schema import MAX_STEPS, ExperimentConfig
-from adaloss_cli.core.schedule import learning_rate
+from adaloss_cli.schedule import learning_rate
 from adaloss_cli.data import LANGUAGE_MODEL, BatchStream, Dataset, eval_batches, load_dataset
 from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
-from adaloss_cli.errors import Diverged, Interrupted, UserError
+from adaloss.errors import Diverged, UserError
+from adaloss_cli.errors import Interrupted
 from adaloss_cli.model_size import check_model_size
 from adaloss_cli.progress import progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore

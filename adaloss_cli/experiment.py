@@ -14,11 +14,11 @@ from typing import Any
 from adaloss_cli.backends.base import Backend
 from adaloss_cli.config import load_config
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
-from adaloss_cli.core.policies import resolve_dynamic
 from adaloss_cli.data import BatchStream, Dataset
 from adaloss_cli.distributed import SINGLE, SilentWriter, World, check_world
 from adaloss_cli.engine import Trainer, plan_steps, prepare
-from adaloss_cli.errors import AdalossError, Diverged, Interrupted, UserError
+from adaloss.errors import AdalossError, Diverged, UserError
+from adaloss_cli.errors import Interrupted
 from adaloss_cli.results.checkpoints import CheckpointStore, Latest
 from adaloss_cli.results.files import read_json, remove_stale_temp_files
 from adaloss_cli.results.locks import DirectoryLock
@@ -36,7 +36,7 @@ class RunResult:
 def resolved_config_dict(config: ExperimentConfig) -> dict[str, Any]:
     """The config as run: every default filled in and the dynamic preset expanded into its knobs."""
     data = to_dict(config)
-    data["loss_scaling"]["dynamic"].update(resolve_dynamic(config.loss_scaling.dynamic))
+    data["loss_scaling"]["dynamic"].update(config.loss_scaling.dynamic.resolved())
     return data
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 #: A config or sweep file (real ones are a few KB).
 MAX_CONFIG_BYTES = 1 << 20

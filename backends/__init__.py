@@ -10,8 +10,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-from adaloss_cli.backends.chainer._compat import INSTALL_COMMAND as CHAINER_INSTALL_COMMAND
-from adaloss_cli.errors import UserError
+from adaloss.chainer.compat import INSTALL_COMMAND as CHAINER_INSTALL_COMMAND
+from adaloss.errors import UserError
 from adaloss_cli.signals import signals_held
 
 if TYPE_CHECKING:

@@ -12,30 +12,10 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
+from adaloss.records import LayerRecord
 from adaloss_cli.config.schema import ExperimentConfig
 
 Batch = tuple[np.ndarray, np.ndarray]
-
-#: Layer name of the record for the model output, where the float32 loss gradient is cast to the model's dtype.
-OUTPUT_RECORD = "output"
-
-
-@dataclass
-class LayerRecord:
-    """What the scaler did at one scale point on a recorded step (one row of scales.csv).
-
-    ``accumulated_scale`` is the scale the layer's input gradient carries, ``weight_scale`` the one its weight
-    gradient was computed at; ``underflow_fraction`` the share of input-gradient elements lost to underflow, and
-    ``zeroed_fraction`` the share that is zero in low precision but not in float32 for any reason (it also counts
-    ReLU or max-pool decisions of the low-precision forward that differ from float32's, which no scale changes)."""
-    layer: str
-    unbound_factor: float
-    factor: float
-    accumulated_scale: float
-    underflow_fraction: float
-    weight_scale: float = float("nan")
-    zeroed_fraction: float = float("nan")
-
 
 @dataclass
 class StepOutcome:

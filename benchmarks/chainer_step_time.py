@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args(argv)
     try:
-        from adaloss_cli.backends.chainer._compat import import_chainer  # noqa: PLC0415
+        from adaloss.chainer.compat import import_chainer  # noqa: PLC0415
         chainer = import_chainer()
     except ImportError as err:
         print(f"chainer step-time benchmark skipped: {err}", file=sys.stderr)

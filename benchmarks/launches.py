@@ -2,7 +2,7 @@
 
 On a GPU a small model's adaptive step is bound by what the host launches, not by arithmetic; the number of kernel
 launches per step is what the CUDA path spends. Counting them needs no GPU: the variants run the device code path
-(``adaloss_cli.core.array_ops.device_scalars``: 0-d tensors, never read back, exactly what CUDA runs) on CPU
+(``adaloss.core.array_ops.device_scalars``: 0-d tensors, never read back, exactly what CUDA runs) on CPU
 tensors under ``torch.profiler``, and
 
 - ``ops``: every ATen operation dispatched in one step (forward, backward, scale logic, unscale, optimizer);
@@ -99,7 +99,7 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     (A captured step is one graph launch: the graph variants are counted on a GPU only.)"""
     import torch
 
-    from adaloss_cli.core.array_ops import device_scalars
+    from adaloss.core.array_ops import device_scalars
     from benchmarks.workloads import Runner, build_initial
 
     initial, batches = build_initial(work, "cpu")
@@ -124,7 +124,7 @@ def host_times(work: Any, variants: list[str], dtype: str, timer: Callable[..., 
     At those sizes a CPU kernel costs a few microseconds, so the time is what the host spends on each step: Python
     (autograd Functions, the scale logic) and dispatch. That is what bounds an eager adaptive step on a GPU, where
     the kernels run beside the host, and what the launch counts above do not see."""
-    from adaloss_cli.core.array_ops import device_scalars
+    from adaloss.core.array_ops import device_scalars
     from benchmarks.workloads import Runner, build_initial
 
     initial, batches = build_initial(work, "cpu")

@@ -36,7 +36,7 @@ TENSORS, RSS = "tensors", "rss"
 
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 _PRELOAD = ["torch", "torch.fx", "benchmarks.memory", "adaloss_cli.backends.torch.models",
-            "adaloss_cli.backends.torch.precision", "adaloss_cli.backends.torch.scaler"]
+            "adaloss.torch.precision", "adaloss.torch.scaler"]
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

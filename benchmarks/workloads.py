@@ -90,8 +90,8 @@ class Runner:
     def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01,
                  fused: bool = False) -> None:
         import torch
-        from adaloss_cli.backends.torch.precision import MixedPrecisionForward
-        from adaloss_cli.backends.torch.scaler import LossScaler
+        from adaloss.torch.precision import MixedPrecisionForward
+        from adaloss.torch.scaler import LossScaler
 
         self.variant = variant
         self.model = copy.deepcopy(initial)  # transformed in place by adaptive
@@ -114,7 +114,7 @@ class Runner:
         self._cross_entropy = torch.nn.functional.cross_entropy
         self.graphed = None
         if graphed:
-            from adaloss_cli.backends.torch.graphs import GraphedStep
+            from adaloss.torch.graphs import GraphedStep
             self.graphed = GraphedStep(self.scaler, self.optimizer, self.loss)
 
     def loss(self, x: Any, y: Any) -> Any:

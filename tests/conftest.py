@@ -70,7 +70,7 @@ def scalar_path(request):
     """A test parametrized with ``backend="torch-device"`` runs on torch's device path (0-d tensors, no host
     reads: what CUDA runs); other tests run as they are. A module opts in with
     ``pytestmark = pytest.mark.usefixtures("scalar_path")``."""
-    from adaloss_cli.core.array_ops import device_scalars
+    from adaloss.core.array_ops import device_scalars
 
     params = getattr(request.node, "callspec", None)
     if params is not None and params.params.get("backend") == "torch-device":

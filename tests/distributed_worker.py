@@ -72,7 +72,7 @@ def _ddp_gradient_check(world: World) -> dict:
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from adaloss_cli.backends.torch import LossScaler, MixedPrecisionForward
+    from adaloss.torch import LossScaler, MixedPrecisionForward
     from adaloss_cli.backends.torch.distributed import DataParallelForward
 
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def _skip_decision_check(world: World) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from adaloss_cli.backends.torch import LossScaler
+    from adaloss.torch import LossScaler
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss_cli.core.adaptive import (METHODS, AdaptiveOptions, bound_factor, branch_common_scale,
-                                       layer_factor, power_of_two_floor, unbound_factor)
-from adaloss_cli.core.adaptive_stats import (LINEAR_AXES, conv_fan, default_range, linear_fan, ops_for,
+from adaloss.core.adaptive import METHODS, bound_factor, branch_common_scale, layer_factor, power_of_two_floor, unbound_factor
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.adaptive_stats import (LINEAR_AXES, conv_fan, default_range, linear_fan, ops_for,
                                              underflow_fraction, underflow_k)
-from adaloss_cli.core.array_ops import device_scalars, scale_in_float32
-from adaloss_cli.core.range_bounds import measured_lift
+from adaloss.core.array_ops import device_scalars, scale_in_float32
+from adaloss.core.range_bounds import measured_lift
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck. scalar_path (conftest.py) runs
 # the "torch-device" parameter on the device path.
@@ -85,16 +85,16 @@ def test_fans():
             conv_fan(*bad)
 
 
-def test_options_validate_and_follow_the_config_schema():
-    from adaloss_cli.config.schema import AdaptiveScalingConfig
+def test_options_validate_and_are_the_config_schemas():
+    from adaloss.options import LossScalingConfig
 
-    assert AdaptiveOptions.from_config(AdaptiveScalingConfig()) == AdaptiveOptions()
-    assert AdaptiveOptions(u_min=1e-7).range_for("float16") == (1e-7, 65504.0)
-    assert AdaptiveOptions().k == pytest.approx(1.2533144654325544e-3)
-    for bad in ({"method": "nope"}, {"n_uf_threshold": 1.0}, {"u_min": 0.0}, {"u_min": 2.0, "u_max": 1.0},
+    assert LossScalingConfig().adaptive == AdaptiveScalingConfig()  # one class: the library's options are the schema
+    assert AdaptiveScalingConfig(u_min=1e-7).range_for("float16") == (1e-7, 65504.0)
+    assert AdaptiveScalingConfig().k == pytest.approx(1.2533144654325544e-3)
+    for bad in ({"loss_scale_method": "nope"}, {"n_uf_threshold": 1.0}, {"u_min": 0.0}, {"u_min": 2.0, "u_max": 1.0},
                 {"scale_upper_bound": 0}, {"update_per_n_iteration": 0}):
         with pytest.raises(ValueError):
-            AdaptiveOptions(**bad)
+            AdaptiveScalingConfig(**bad)
 
 
 # --- golden values (DESIGN.md 2.2) ---------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_options_validate_and_follow_the_config_schema():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_approx_range_golden(backend, golden_layer):
     gy, w = (to(backend, a) for a in golden_layer)
-    opts = AdaptiveOptions.paper()
+    opts = AdaptiveScalingConfig.paper()
     s = unbound_factor(gy, w, linear_fan(64), opts)
     assert check_like(s, gy) == pytest.approx(1.748732, rel=2e-5)
     # A = 512: caps 1024/512 = 2 and 16 leave 1.75, floored to 1 (A stays 512).
@@ -115,7 +115,7 @@ def test_approx_range_golden(backend, golden_layer):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_element_wise_golden(backend):
     gy, w = to(backend, np.array([[1e-5]], np.float16)), to(backend, np.array([[1e-4]], np.float16))
-    opts = AdaptiveOptions.paper(method="element_wise_range")
+    opts = AdaptiveScalingConfig.paper(loss_scale_method="element_wise_range")
     assert check_like(unbound_factor(gy, w, 1, opts), gy) == pytest.approx(59.9, abs=0.05)
     assert check_like(layer_factor(gy, w, 1, 1.0, opts), gy) == 32.0
 
@@ -134,7 +134,7 @@ def test_power_of_two_floor(backend):
 
 def test_host_power_of_two_floor_is_the_bit_clearing_of_the_device_path():
     """The host chain floors with frexp, the device path clears mantissa bits: identical on every kind of value."""
-    from adaloss_cli.core.array_ops import HOST
+    from adaloss.core.array_ops import HOST
     tiny = np.finfo(np.float32).tiny
     values = np.array([0.0, -0.0, tiny, tiny / 3, -tiny / 5, 1.0, 1.5, 0.23, 3e38, -6.0, math.inf, -math.inf,
                        math.nan, np.nextafter(np.float32(2.0), np.float32(0))], np.float32)
@@ -151,14 +151,14 @@ def test_host_power_of_two_floor_is_the_bit_clearing_of_the_device_path():
 def test_a_refresh_reads_the_output_gradient_for_its_peak_once(monkeypatch, golden_layer, method):
     """The layer's factor and its weight gradient's bound both need max |gy|: one reduction over gy serves both (on
     a GPU each is a full read of an activation gradient)."""
-    from adaloss_cli.core.scale_steps import refresh_factors
+    from adaloss.core.scale_steps import refresh_factors
 
     gy, w = (torch.from_numpy(a) for a in golden_layer)
     x = torch.randn(32, 128).half()
     reductions = []
     aminmax = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda t, **kw: reductions.append(t) or aminmax(t, **kw))
-    opts = AdaptiveOptions(method=method, fixed_loss_scale=4.0)
+    opts = AdaptiveScalingConfig(loss_scale_method=method, fixed_loss_scale=4.0)
     with device_scalars():
         values = refresh_factors(gy, w, x, torch.tensor(8.0), torch.tensor(8.0), fan=64, axes=LINEAR_AXES,
                                  x_axis=-1, options=opts, headroom=1.0)
@@ -181,9 +181,9 @@ def test_torch_path_never_reads_back_to_the_host(monkeypatch, golden_layer):
         for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
                      "__array__"):
             m.setattr(torch.Tensor, name, forbidden)
-        results = [unbound_factor(bad, w, 64, AdaptiveOptions.paper())]
+        results = [unbound_factor(bad, w, 64, AdaptiveScalingConfig.paper())]
         for method in METHODS:
-            opts = AdaptiveOptions.paper(method=method)
+            opts = AdaptiveScalingConfig.paper(loss_scale_method=method)
             results.append(layer_factor(gy, w, 64, a, opts))
             results.append(layer_factor(conv_gy, conv_w, conv_fan(4, 3), 2.0, opts))
         results.append(power_of_two_floor(results[0]))
@@ -197,9 +197,9 @@ def test_torch_path_never_reads_back_to_the_host(monkeypatch, golden_layer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_golden_stays_on_device(golden_layer):
     gy, w = (torch.from_numpy(a).cuda() for a in golden_layer)
-    s = layer_factor(gy, w, 64, torch.tensor(4096.0, device="cuda"), AdaptiveOptions.paper())
+    s = layer_factor(gy, w, 64, torch.tensor(4096.0, device="cuda"), AdaptiveScalingConfig.paper())
     assert s.device == gy.device and float(s) == 0.25
-    assert float(unbound_factor(gy, w, 64, AdaptiveOptions.paper())) == pytest.approx(1.748732, rel=2e-5)
+    assert float(unbound_factor(gy, w, 64, AdaptiveScalingConfig.paper())) == pytest.approx(1.748732, rel=2e-5)
     # Every normal power of two 2**-126 .. 2**127, from its bits (exactly, whatever CUDA's pow does).
     powers = (torch.arange(1, 255, dtype=torch.int32, device="cuda") << 23).view(torch.float32)
     assert torch.equal(power_of_two_floor(powers * 1.5)[:-1], powers[:-1])
@@ -219,9 +219,9 @@ def _cupy():
 def test_cupy_golden(golden_layer):
     cupy = _cupy()
     gy, w = (cupy.asarray(a) for a in golden_layer)
-    s = unbound_factor(gy, w, 64, AdaptiveOptions.paper())
+    s = unbound_factor(gy, w, 64, AdaptiveScalingConfig.paper())
     assert isinstance(s, cupy.ndarray) and float(s) == pytest.approx(1.748732, rel=2e-5)
-    assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveOptions.paper())) == 0.25
+    assert float(bound_factor(s, cupy.asarray(np.float32(4096)), AdaptiveScalingConfig.paper())) == 0.25
 
 
 @pytest.mark.cuda

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from adaloss_cli.core.adaptive import branch_common_scale
-from adaloss_cli.core.adaptive_stats import underflow_fraction
+from adaloss.core.adaptive import branch_common_scale
+from adaloss.core.adaptive_stats import underflow_fraction
 from test_adaptive_core import BACKENDS, check_like, to, value
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck. scalar_path (conftest.py) runs

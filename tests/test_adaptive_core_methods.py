@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss_cli.core.adaptive import METHODS, AdaptiveOptions, bound_factor, layer_factor, unbound_factor
-from adaloss_cli.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, element_wise_extremes,
+from adaloss.core.adaptive import METHODS, bound_factor, layer_factor, unbound_factor
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.adaptive_stats import (CONV_AXES, LINEAR_AXES, abs_extremes, element_wise_extremes,
                                              norm_and_abs_max, ops_for)
-from adaloss_cli.core.array_ops import device_scalars
+from adaloss.core.array_ops import device_scalars
 from test_adaptive_core import BACKENDS, to, value
 
 # NumPy must not warn either: non-finite inputs are handled with `where`, not by luck. scalar_path (conftest.py) runs
@@ -42,7 +43,7 @@ def sprinkle_zeros(rng, a, share=0.3):
 @pytest.mark.parametrize("seed", range(4))
 def test_element_wise_matches_brute_force_linear_and_conv(backend, seed):
     rng = np.random.default_rng(seed)
-    opts = AdaptiveOptions.paper(method="element_wise_range")
+    opts = AdaptiveScalingConfig.paper(loss_scale_method="element_wise_range")
     u_min, u_max = opts.range_for("float16")
     # Linear: gy (N, out) and (N, T, out); W (out, in). Conv: gy (N, C_out, H, W); W (C_out, C_in, kh, kw).
     w_lin = sprinkle_zeros(rng, rng.normal(0, 0.05, (6, 5))).astype(np.float16)
@@ -84,7 +85,7 @@ def test_statistics_are_exact_float32_and_propagate_nan(backend):
 def test_torch_cpu_norm_of_a_large_fp16_tensor_is_taken_in_chunks_and_agrees_with_numpy():
     """On CPU torch widens a norm's whole input first; above CPU_CAST_CHUNK elements the norm is summed from
     chunks instead (bounded float32 temporaries) and must still give NumPy's float32 result."""
-    from adaloss_cli.core import adaptive_stats
+    from adaloss.core import adaptive_stats
     x = np.random.default_rng(3).normal(0, 300.0, (7, adaptive_stats.CPU_CAST_CHUNK // 3)).astype(np.float16)
     assert x.size > adaptive_stats.CPU_CAST_CHUNK
     got = norm_and_abs_max(ops_for(torch.from_numpy(x)), torch.from_numpy(x))
@@ -103,7 +104,7 @@ def test_abs_range_formula(backend, golden_layer):
     o_max = g.max() * ww.max()
     fan = 64
     expected = min(max((6e-8 / fan) / o_min, 1.0), (65504 / fan) / o_max)
-    got = unbound_factor(to(backend, gy), to(backend, w), fan, AdaptiveOptions.paper(method="abs_range"))
+    got = unbound_factor(to(backend, gy), to(backend, w), fan, AdaptiveScalingConfig.paper(loss_scale_method="abs_range"))
     assert float(value(got)) == pytest.approx(expected, rel=1e-5)
 
 
@@ -111,16 +112,16 @@ def test_abs_range_formula(backend, golden_layer):
 def test_bounds_only_for_approx_range_and_switches(backend, golden_layer):
     gy, w = (to(backend, a) for a in golden_layer)
     # fixed: no caps (100 stays above scale_upper_bound 16), power of two floors it to 64.
-    fixed = AdaptiveOptions.paper(method="fixed", fixed_loss_scale=100.0)
+    fixed = AdaptiveScalingConfig.paper(loss_scale_method="fixed", fixed_loss_scale=100.0)
     assert float(value(layer_factor(gy, w, 64, 1.0, fixed))) == 64
-    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions.paper(method="fixed", fixed_loss_scale=100.0,
+    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveScalingConfig.paper(loss_scale_method="fixed", fixed_loss_scale=100.0,
                                                                      power_of_two=False)))) == 100
     # approx_range with use_bound off keeps 1.75 -> 1 even at A = 4096; with power_of_two off it stays 1.7487.
-    assert float(value(layer_factor(gy, w, 64, 4096.0, AdaptiveOptions.paper(use_bound=False)))) == 1.0
-    raw = float(value(layer_factor(gy, w, 64, 512.0, AdaptiveOptions.paper(power_of_two=False))))
+    assert float(value(layer_factor(gy, w, 64, 4096.0, AdaptiveScalingConfig.paper(use_bound=False)))) == 1.0
+    raw = float(value(layer_factor(gy, w, 64, 512.0, AdaptiveScalingConfig.paper(power_of_two=False))))
     assert raw == pytest.approx(1.748732, rel=2e-5)
     # a user u_min far above the data: the factor hits scale_upper_bound.
-    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveOptions.paper(u_min=1e-3)))) == 16.0
+    assert float(value(layer_factor(gy, w, 64, 1.0, AdaptiveScalingConfig.paper(u_min=1e-3)))) == 16.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,7 +131,7 @@ def test_non_finite_gradient_falls_back_to_one(backend, method, bad, golden_laye
     gy, w = golden_layer
     gy = gy.copy()
     gy[3, 7] = bad
-    opts = AdaptiveOptions.paper(method=method)
+    opts = AdaptiveScalingConfig.paper(loss_scale_method=method)
     s = unbound_factor(to(backend, gy), to(backend, w), 64, opts)
     assert float(value(s)) == 1.0
     assert float(value(bound_factor(s, 1.0, opts))) == 1.0
@@ -140,7 +141,7 @@ def test_non_finite_gradient_falls_back_to_one(backend, method, bad, golden_laye
 @pytest.mark.parametrize("method", ["approx_range", "abs_range", "element_wise_range"])
 def test_zero_or_empty_statistics_give_one(backend, method, golden_layer):
     gy, w = golden_layer
-    opts = AdaptiveOptions.paper(method=method)
+    opts = AdaptiveScalingConfig.paper(loss_scale_method=method)
     for g, ww in ((np.zeros_like(gy), w), (gy, np.zeros_like(w)), (gy[:0], w)):
         assert float(value(unbound_factor(to(backend, g), to(backend, ww), 64, opts))) == 1.0
 
@@ -148,7 +149,7 @@ def test_zero_or_empty_statistics_give_one(backend, method, golden_layer):
 @pytest.mark.parametrize("method", METHODS)
 def test_numpy_and_torch_agree(method):
     rng = np.random.default_rng(7)
-    opts = AdaptiveOptions.paper(method=method)
+    opts = AdaptiveScalingConfig.paper(loss_scale_method=method)
     for scale in (1e-7, 1e-4, 1e-1, 10.0):
         gy = sprinkle_zeros(rng, rng.normal(0, scale, (16, 24))).astype(np.float16)
         w = rng.normal(0, 0.1, (24, 8)).astype(np.float16)

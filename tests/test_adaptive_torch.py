@@ -24,9 +24,9 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from adaloss_cli.backends.torch.models import MLP, CifarResNet, SimpleCNN, resnet18_torchvision_style  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
-from adaloss_cli.core.array_ops import device_scalars  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
+from adaloss.core.array_ops import device_scalars  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

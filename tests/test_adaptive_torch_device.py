@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from adaloss_cli.backends.torch.models import MLP, CifarResNet  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
-from adaloss_cli.core.array_ops import device_scalars  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
+from adaloss.core.array_ops import device_scalars  # noqa: E402
 from test_adaptive_torch import assert_same_grads, grads  # noqa: E402
 
 _HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
@@ -169,7 +169,7 @@ def test_cuda_forward_and_backward_never_synchronise(method):
 def test_cuda_factors_beyond_fp16_range_are_applied_in_float32(factor, on_device):
     """A factor of 2**16 is inf in fp16 and 3 * 2**-25 rounds to a different value: the product must be formed in
     float32 and rounded once, for a 0-d device factor (refresh steps) and a host number (steps between)."""
-    from adaloss_cli.backends.torch.scale_ops import multiply
+    from adaloss.torch.scale_ops import multiply
 
     g = torch.tensor([2.0 ** -20, 1.0, -3.0], dtype=torch.float16, device="cuda")
     got = multiply(g, torch.tensor(factor, device="cuda") if on_device else np.float32(factor))

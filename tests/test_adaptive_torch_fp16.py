@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
 from test_adaptive_torch import build, grads, plain_grads  # noqa: E402
 
 

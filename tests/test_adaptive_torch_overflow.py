@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from adaloss_cli.backends.torch.models import MLP  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
 from test_adaptive_torch import assert_same_grads, build, grads  # noqa: E402
 
 

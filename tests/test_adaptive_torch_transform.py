@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.backends.torch.graph_transform import TransformError  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.errors import TransformError  # noqa: E402
 from test_adaptive_torch import assert_same_grads, build, grads  # noqa: E402
 
 

@@ -53,7 +53,7 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
 
 def test_an_adaptive_gpt_step_on_the_device_path_reads_the_device_once():
     """The GPT's launch count without the fused variant: one host read per step, the skip decision."""
-    from adaloss_cli.core.array_ops import device_scalars
+    from adaloss.core.array_ops import device_scalars
     from benchmarks.launches import count_step
     from benchmarks.workloads import Runner, build_initial, workload_for
 
@@ -116,9 +116,9 @@ def test_compiled_variants_are_checked_against_both_gradscalers(capsys):
 
 
 def test_chainer_benchmark_runs_through_the_same_command():
-    from adaloss_cli.backends.chainer import _compat
+    from adaloss.chainer import compat
     try:
-        _compat.import_chainer()
+        compat.import_chainer()
     except ImportError as err:
         pytest.skip(str(err))
     done = run_benchmarks("--backend", "chainer", "--quick", "--models", "mlp")

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
 
 
 class AutocastInside(nn.Module):

@@ -22,8 +22,8 @@ from test_chainer_support import (LOUD, MODELS, adaptive, assert_same_grads, cha
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
 from adaloss_cli.backends.chainer.optimizers import TorchSGD  # noqa: E402
-from adaloss_cli.backends.chainer.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss.chainer.scaler import LossScaler  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
 
 F, L = chainer.functions, chainer.links
 DTYPES = {"float32": np.float32, "float64": np.float64}

@@ -13,8 +13,8 @@ from test_chainer_support import LOUD, adaptive, assert_same_grads, chainer, gra
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
 from adaloss_cli.backends.chainer.optimizers import TorchSGD  # noqa: E402
-from adaloss_cli.backends.chainer.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss.chainer.scaler import LossScaler  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
 
 
 # --- update_per_n_iteration --------------------------------------------------------------------------------------

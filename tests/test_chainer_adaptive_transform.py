@@ -12,9 +12,10 @@ from test_chainer_support import adaptive, assert_same_grads, chainer, plain_gra
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
 from adaloss_cli.backends.chainer.optimizers import TorchSGD  # noqa: E402
-from adaloss_cli.backends.chainer.scaler import LossScaler  # noqa: E402
-from adaloss_cli.backends.chainer.transform import TransformError, transform_links  # noqa: E402
-from adaloss_cli.core.adaptive import AdaptiveOptions  # noqa: E402
+from adaloss.chainer.scaler import LossScaler  # noqa: E402
+from adaloss.chainer.transform import transform_links  # noqa: E402
+from adaloss.errors import TransformError  # noqa: E402
+from adaloss.options import AdaptiveScalingConfig  # noqa: E402
 
 F, L = chainer.functions, chainer.links
 
@@ -153,7 +154,7 @@ def test_global_methods_accept_links_adaptive_scaling_refuses():
 
 def test_a_parameter_used_directly_in_forward_is_refused_by_name():
     with pytest.raises(TransformError, match="own"):
-        transform_links(RawParameter(), AdaptiveOptions())
+        transform_links(RawParameter(), AdaptiveScalingConfig())
 
 
 def test_a_link_called_twice_is_refused_by_name():
@@ -167,9 +168,9 @@ def test_a_link_called_twice_is_refused_by_name():
 def test_a_subclass_of_a_scale_point_link_and_a_second_transform_are_refused():
     model = chainer.Sequential(MyLinear(4, 4))
     with pytest.raises(TransformError, match="MyLinear"):
-        transform_links(model, AdaptiveOptions())
+        transform_links(model, AdaptiveScalingConfig())
     plain = chainer.Sequential(L.Linear(4, 4))
-    transform_links(plain, AdaptiveOptions())
+    transform_links(plain, AdaptiveScalingConfig())
     with pytest.raises(TransformError, match="already"):
         transform_links(plain)
 
@@ -186,7 +187,7 @@ def test_the_table_of_scale_points_lists_the_zoo_resnet_in_forward_order():
 
 
 def test_the_documented_library_example_trains_in_float16():
-    from adaloss_cli.backends.chainer import LossScaler as PublicScaler  # the names the package docstring shows
+    from adaloss.chainer import LossScaler as PublicScaler  # the names the package docstring shows
 
     np.random.seed(0)
     model = chainer.Sequential(L.Linear(64, 32), F.relu, L.Linear(32, 10))
@@ -225,7 +226,7 @@ def test_importing_the_package_does_not_import_chainer():
 @pytest.mark.parametrize("factor", [2.0 ** 16, 3 * 2.0 ** -25])
 def test_factors_beyond_fp16_range_are_applied_in_float32(factor):
     """2**16 is inf in fp16 and 3 * 2**-25 rounds to another number: the product is formed in float32."""
-    from adaloss_cli.backends.chainer.scale_points import multiply
+    from adaloss.chainer.scale_points import multiply
     g = np.array([2.0 ** -20, 2.0 ** -10, -3.0], np.float16)
     got = multiply(g, np.float32(factor))
     assert got.dtype == np.float16

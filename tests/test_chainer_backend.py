@@ -18,7 +18,7 @@ from adaloss_cli.backends import get_backend  # noqa: E402
 from adaloss_cli.backends.chainer.adapter import ChainerBackend  # noqa: E402
 from adaloss_cli.config import load_config_dict  # noqa: E402
 from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
-from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss.errors import UserError  # noqa: E402
 from adaloss_cli.results.checkpoint_format import load_checkpoint, save_checkpoint  # noqa: E402
 
 from conftest import write_config  # noqa: E402

@@ -22,12 +22,12 @@ import torch.nn.functional as TF  # noqa: E402
 
 from adaloss_cli.backends.chainer import models as chainer_models  # noqa: E402
 from adaloss_cli.backends.chainer.adapter import ChainerBackend  # noqa: E402
-from adaloss_cli.backends.chainer.scaler import LossScaler as ChainerScaler  # noqa: E402
+from adaloss.chainer.scaler import LossScaler as ChainerScaler  # noqa: E402
 from adaloss_cli.backends.torch import models as torch_models  # noqa: E402
 from adaloss_cli.backends.torch.adapter import TorchBackend  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler as TorchScaler  # noqa: E402
+from adaloss.torch.scaler import LossScaler as TorchScaler  # noqa: E402
 from adaloss_cli.config import load_config_dict  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
 from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
 
 F = chainer.functions

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 
-_compat = pytest.importorskip("adaloss_cli.backends.chainer._compat")
+_compat = pytest.importorskip("adaloss.chainer.compat")
 if not _compat.is_chainer_available():
     pytest.skip("Chainer is not installed (pip install 'adaloss[chainer]')", allow_module_level=True)
 try:
@@ -18,7 +18,7 @@ except ImportError as err:  # installed but unusable here (e.g. numpy 2 or Pytho
     pytest.skip(str(err), allow_module_level=True)
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
-from adaloss_cli.backends.chainer.scaler import LossScaler  # noqa: E402
+from adaloss.chainer.scaler import LossScaler  # noqa: E402
 
 F = chainer.functions
 

@@ -180,7 +180,7 @@ def test_config_problems_stop_compare_before_any_run(tmp_path):
 
 
 def test_help_lists_every_method_form():
-    from adaloss_cli.config.schema import ADAPTIVE_METHODS, DYNAMIC_PRESETS
+    from adaloss.options import ADAPTIVE_METHODS, DYNAMIC_PRESETS
 
     text = run_cli("compare", "--help").stdout
     assert all(name in text for name in (*DYNAMIC_PRESETS, *ADAPTIVE_METHODS, "fp32", "fixed:SCALE", "Example"))

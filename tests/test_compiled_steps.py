@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.array_ops import device_scalars  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.core.array_ops import device_scalars  # noqa: E402
 
 from conftest import write_config  # noqa: E402
 from test_adaptive_torch_device import _forbidding_reads  # noqa: E402
@@ -259,7 +259,7 @@ def test_compile_for_other_methods_compiles_the_model_in_place():
 
 
 def test_cuda_graphs_of_compiled_steps_are_refused():
-    from adaloss_cli.backends.torch.graphs import GraphedStep
+    from adaloss.torch.graphs import GraphedStep
 
     model = _Net()
     scaler = LossScaler(model, "adaptive", compile=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from adaloss_cli.config import ConfigError, ExperimentConfig, Problem, load_config, load_config_dict
 from adaloss_cli.config.schema import to_dict
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 
 def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 from adaloss_cli.config.schema import DataConfig
 from adaloss_cli.data import BatchStream, Dataset, eval_batches, load_dataset, random_crop_flip, read_cifar, read_mnist
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 

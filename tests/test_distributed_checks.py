@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from adaloss_cli.config import load_config  # noqa: E402
 from adaloss_cli.distributed import World, check_world, without_option  # noqa: E402
 from adaloss_cli.engine import FAULT_ENV, _fault_steps  # noqa: E402
-from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss.errors import UserError  # noqa: E402
 
 
 # -- without processes: parsing and checks ----------------------------------------------------------------------

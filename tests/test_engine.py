@@ -195,7 +195,7 @@ def test_bfloat16_forward_really_computes_in_bfloat16(digits, batches):
 
 
 def test_plain_progress_prints_a_line_every_tenth_and_the_scale_range_reads_in_powers_of_two(capsys):
-    from adaloss_cli.backends.base import LayerRecord
+    from adaloss.records import LayerRecord
     from adaloss_cli.engine import scale_range
     from adaloss_cli.progress import PlainProgress
 

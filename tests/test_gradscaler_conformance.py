@@ -36,8 +36,8 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from adaloss_cli.backends.torch.execution import DoubleBackwardError  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss.errors import DoubleBackwardError  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from adaloss.lightning import AdalossFabricPrecision, AdalossPrecision  # noqa: E402
-from adaloss_cli.backends.torch.capture import installed_state  # noqa: E402
+from adaloss.torch.capture import installed_state  # noqa: E402
 from framework_helpers import (METHODS, Overflow, autocast_loss, batch, tiny_net, true_grad_norm,  # noqa: E402
                                update_norm, weights)
 

@@ -10,9 +10,10 @@ import random
 
 import pytest
 
-from adaloss_cli.config.schema import DYNAMIC_PRESETS, DynamicScalingConfig, LossScalingConfig
-from adaloss_cli.core import KNOBS, PRESETS, DynamicScaling, StepAction, build_policy
-from adaloss_cli.errors import LossScaleFloorError
+from adaloss.core.policies import DynamicScaling, StepAction, build_policy
+from adaloss.core.presets import KNOBS, PRESETS
+from adaloss.errors import LossScaleFloorError
+from adaloss.options import DYNAMIC_PRESETS, DynamicScalingConfig, LossScalingConfig
 
 STEP, SKIP, RETRY = StepAction.STEP, StepAction.SKIP, StepAction.RETRY
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from adaloss_cli.errors import LossScaleFloorError
+from adaloss.errors import LossScaleFloorError
 from test_policies import SKIP, STEP, bursty_overflows, dynamic
 
 # --- the same trajectories against transcriptions of each peer's own update code -------------------------------------

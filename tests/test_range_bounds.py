@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss_cli.core.adaptive import AdaptiveOptions, output_factor, unbound_factor, weight_gradient_bound
-from adaloss_cli.core.array_ops import device_scalars, ops_for
-from adaloss_cli.core.policies import AdaptiveGlobal, StepAction
-from adaloss_cli.core.range_bounds import abs_sum_max, measured_lift
-from adaloss_cli.core.scale_schedule import ScaleSchedule
-from adaloss_cli.core.scale_steps import layer_scale_step
+from adaloss.core.adaptive import output_factor, unbound_factor, weight_gradient_bound
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.array_ops import device_scalars, ops_for
+from adaloss.core.policies import AdaptiveGlobal, StepAction
+from adaloss.core.range_bounds import abs_sum_max, measured_lift
+from adaloss.core.scale_schedule import ScaleSchedule
+from adaloss.core.scale_steps import layer_scale_step
 
 BACKENDS = ("numpy", "torch-host", "torch-device")
 U_MAX = 65504.0
@@ -57,7 +58,7 @@ def test_max_range_input_gradient_never_overflows_even_when_every_product_adds_u
     if constant_rows:
         gy[3] = gy.max()
     w = np.abs(rng.normal(0, 10.0 ** rng.uniform(-3, 0), (32, 24))).astype(np.float16)  # (out, in)
-    s = float(unbound_factor(gy, w, 32, AdaptiveOptions()))
+    s = float(unbound_factor(gy, w, 32, AdaptiveScalingConfig()))
     s = 2.0 ** math.floor(math.log2(s))
     gx = (s * gy.astype(np.float64)) @ w.astype(np.float64)
     assert 0 < np.abs(gx).max() <= U_MAX / 2 and np.abs(s * gy.astype(np.float64)).max() <= U_MAX / 2
@@ -68,7 +69,7 @@ def test_max_range_input_gradient_never_overflows_even_when_every_product_adds_u
 class _HostState(ScaleSchedule):
     """The smallest backend state the core's per-point step needs (NumPy arrays, one point)."""
 
-    def __init__(self, options: AdaptiveOptions, accumulated: float) -> None:
+    def __init__(self, options: AdaptiveScalingConfig, accumulated: float) -> None:
         self.init_schedule(options)
         self.origin_slot = 0
         self.table = np.array([accumulated, 1.0], np.float32)
@@ -86,7 +87,7 @@ def _issue_layer():
 @pytest.mark.parametrize("exact_bounds, finite", [(False, False), (True, True)])
 def test_a_weight_gradient_that_would_overflow_gets_a_factor_of_its_own(exact_bounds, finite):
     gy, x, w = _issue_layer()
-    options = AdaptiveOptions.paper(method="abs_range", exact_bounds=exact_bounds)
+    options = AdaptiveScalingConfig.paper(loss_scale_method="abs_range", exact_bounds=exact_bounds)
     state = _HostState(options, 1.0)
     x_bound = abs_sum_max(ops_for(x), x, -1)
     factor, weight_factor, weight_scale = layer_scale_step(state, 0, 1, 0, gy, w, 1, x_bound=x_bound)
@@ -136,12 +137,12 @@ def test_measured_lift_of_a_gradient_without_finite_non_zero_values_is_one(backe
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_output_factor_brings_the_loss_gradient_to_the_top_of_the_range(backend):
     g = np.array([[3e-9, -2.5e-4, 0.0]], np.float32)
-    s = on(backend, lambda to: output_factor(to(g), "float16", AdaptiveOptions()))
+    s = on(backend, lambda to: output_factor(to(g), "float16", AdaptiveScalingConfig()))
     assert U_MAX / 4 < s * 2.5e-4 <= U_MAX / 2
-    half = on(backend, lambda to: output_factor(to(g), "float16", AdaptiveOptions(), headroom=0.5))
+    half = on(backend, lambda to: output_factor(to(g), "float16", AdaptiveScalingConfig(), headroom=0.5))
     assert half == s / 2
     assert on(backend, lambda to: output_factor(to(np.zeros((2, 2), np.float32)), "float16",
-                                                AdaptiveOptions())) == 1.0
+                                                AdaptiveScalingConfig())) == 1.0
 
 
 def test_adaptive_overflow_policy_backs_off_grows_back_and_retries_when_asked():
@@ -168,7 +169,7 @@ def test_underflow_counts_what_underflow_destroys_and_nothing_else(backend):
     """At scale 2**10 in fp16 (smallest normal 2**-14): a value below the normal range that came out zero or off by
     more than half is lost; a small value that came out right, a large value zeroed by a forward mismatch (a ReLU
     decision), and a zero reference are not."""
-    from adaloss_cli.core.adaptive_stats import underflow_fraction
+    from adaloss.core.adaptive_stats import underflow_fraction
     scale = 2.0 ** 10
     reference = np.array([1e-12, 3e-9, 2e-6, 1.0, 0.0, 5e-9], np.float32)
     low = np.array([0.0, 3e-9 * scale, 2e-6 * scale, 0.0, 0.0, 4e-5], np.float16)  # 4e-5 is noise, not 5e-9 * 2**10

@@ -96,7 +96,7 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 def chainer_or_skip() -> None:
-    from adaloss_cli.backends.chainer._compat import is_chainer_available
+    from adaloss.chainer.compat import is_chainer_available
 
     if not is_chainer_available():
         pytest.skip("Chainer is not installed")

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from adaloss_cli.backends.torch.models import MLP  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
 
 
 def _one_step(scaler: LossScaler) -> None:

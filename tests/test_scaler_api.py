@@ -16,10 +16,10 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from adaloss_cli.backends.torch.capture import installed_state  # noqa: E402
+from adaloss.torch.capture import installed_state  # noqa: E402
 from adaloss_cli.backends.torch.models import MLP  # noqa: E402
-from adaloss_cli.backends.torch.scaler import LossScaler  # noqa: E402
-from adaloss_cli.core.adaptive import METHODS  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.core.adaptive import METHODS  # noqa: E402
 from adaloss_cli.results.run_writer import SCALES_COLUMNS  # noqa: E402
 
 ITERATIONS = 6          # write_config's tiny run

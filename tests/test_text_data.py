@@ -10,7 +10,7 @@ import pytest
 from adaloss_cli.config.schema import DataConfig
 from adaloss_cli.data import LANGUAGE_MODEL, BatchStream, eval_batches, load_dataset
 from adaloss_cli.data.text import VOCAB_SIZE, corpus_text, cut_windows, decode, encode, split_corpus
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 BLOCK = 32
 

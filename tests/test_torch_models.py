@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from adaloss_cli.backends.torch.models import (  # noqa: E402
     MODEL_BUILDERS, build_model, describe_model, resnet18_torchvision_style)
 from adaloss_cli.config.schema import LANGUAGE_MODELS, MODELS, ModelConfig  # noqa: E402
-from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss.errors import UserError  # noqa: E402
 
 # (input_shape, num_classes, width): small widths keep every case in milliseconds.
 CASES = [((1, 8, 8), 10, 4), ((3, 32, 32), 100, 4)]
@@ -128,7 +128,7 @@ def test_describe_model():
 
 
 def test_mixed_precision_forward_runs_tied_weights_in_float16_and_sums_their_gradients():
-    from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+    from adaloss.torch.precision import MixedPrecisionForward
 
     class Tied(nn.Module):
         def __init__(self):
@@ -153,7 +153,7 @@ def test_mixed_precision_forward_runs_tied_weights_in_float16_and_sums_their_gra
 
 @pytest.mark.parametrize("mode", ["autocast", "pure"])
 def test_mixed_precision_forward_leaves_integer_inputs_as_they_are(mode):
-    from adaloss_cli.backends.torch.precision import MixedPrecisionForward
+    from adaloss.torch.precision import MixedPrecisionForward
 
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
     ids = torch.tensor([[1, 2, 3]])

@@ -15,7 +15,6 @@ import yaml
 
 from adaloss_cli.cli import COMMANDS
 from adaloss_cli.config import load_config, load_config_dict
-from adaloss_cli.core.presets import resolve_dynamic
 from adaloss_cli.experiment import resolved_config_dict
 from adaloss_cli.results.run_writer import METRICS_COLUMNS, SCALES_COLUMNS
 from adaloss_cli.results.locks import LOCK_FILE
@@ -100,7 +99,7 @@ def test_train_writes_every_file_of_the_run_directory(invoke, tmp_path, method, 
     ran = load_config(config, ["device=cpu"])
     reloaded = load_config(out / "config.yaml")
     assert reloaded == load_config_dict(resolved_config_dict(ran))
-    assert resolve_dynamic(reloaded.loss_scaling.dynamic) == resolve_dynamic(ran.loss_scaling.dynamic)
+    assert reloaded.loss_scaling.dynamic.resolved() == ran.loss_scaling.dynamic.resolved()
     for name in ("run", "backend", "device", "model", "data", "training", "precision", "output"):
         assert getattr(reloaded, name) == getattr(ran, name), name
     assert reloaded.loss_scaling.method == method and reloaded.loss_scaling.fixed == ran.loss_scaling.fixed

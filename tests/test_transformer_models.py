@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from adaloss_cli.backends.torch.models import GPT, ViT, build_model, describe_model  # noqa: E402
-from adaloss_cli.backends.torch.precision import MixedPrecisionForward  # noqa: E402
+from adaloss.torch.precision import MixedPrecisionForward  # noqa: E402
 from adaloss_cli.config.schema import ModelConfig  # noqa: E402
-from adaloss_cli.errors import UserError  # noqa: E402
+from adaloss.errors import UserError  # noqa: E402
 
 VOCAB, BLOCK = 256, 16
 

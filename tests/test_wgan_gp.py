@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from adaloss_cli.backends.torch.execution import DoubleBackwardError  # noqa: E402
+from adaloss.errors import DoubleBackwardError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

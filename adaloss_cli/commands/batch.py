@@ -74,7 +74,7 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
       adaloss batch sweeps/digits --dry-run
     """
     from adaloss_cli.commands.report import show_outputs
-    from adaloss_cli.errors import RuntimeFailure, UserError
+    from adaloss.errors import RuntimeFailure, UserError
     from adaloss_cli.results.children import Child, ChildRunner
     from adaloss_cli.results.index import SWEEP, sweep_groups, write_index
     from adaloss_cli.results.rundata import FINISHED, run_status

@@ -11,7 +11,7 @@ import click
 from adaloss_cli.cli import ARGV_KEY
 from adaloss_cli.commands.params import CONFIG_FILE
 from adaloss_cli.commands.train import SET_HELP
-from adaloss_cli.config.schema import ADAPTIVE_METHODS, DYNAMIC_PRESETS
+from adaloss.options import ADAPTIVE_METHODS, DYNAMIC_PRESETS
 
 _SEED = re.compile(r"\d+([,-]\d+)*")
 
@@ -116,7 +116,7 @@ Examples:
 def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str, ...], overrides: tuple[str, ...],
             out: Path | None, device: str | None, jobs: int, no_plots: bool, as_json: bool, quiet: bool) -> None:
     from adaloss_cli.config import ConfigError, load_config
-    from adaloss_cli.errors import RuntimeFailure, UserError
+    from adaloss.errors import RuntimeFailure, UserError
     from adaloss_cli.results.children import Child, ChildRunner
     from adaloss_cli.results.index import COMPARE, compare_groups, write_index
     from adaloss_cli.results.methods import BASELINE, parse_methods

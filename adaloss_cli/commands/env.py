@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from adaloss_cli import __version__
+from adaloss import __version__
 
 _PACKAGES = ("numpy", "torch", "chainer", "cupy", "click", "PyYAML", "matplotlib", "scikit-learn",
              "array-api-compat", "setuptools")

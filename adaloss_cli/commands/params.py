@@ -12,7 +12,7 @@ from adaloss_cli.configs import SUFFIX, is_name, resolve, shipped, shipped_confi
 
 
 def _did_you_mean(word: str, options: list[str]) -> str:
-    from adaloss_cli.config._messages import close_matches, did_you_mean
+    from adaloss.fields import close_matches, did_you_mean
 
     return did_you_mean(close_matches(word, options))
 

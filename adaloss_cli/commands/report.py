@@ -52,7 +52,7 @@ def report(dirs: tuple[Path, ...], out: Path | None, no_plots: bool, as_json: bo
       adaloss report runs/digits-cnn-dynamic-* runs/digits-cnn-adaptive-* --out runs/my-comparison
       adaloss report runs/compare-digits-cnn-20261121-120000 --json
     """
-    from adaloss_cli.errors import UserError
+    from adaloss.errors import UserError
     from adaloss_cli.results.index import RUN, kind_of, loose_run_groups, read_index, groups_of
     from adaloss_cli.results.rebuild import compute, write_outputs
 

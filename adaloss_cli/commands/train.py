@@ -61,7 +61,8 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
       adaloss train --resume runs/cifar10-resnet20-dynamic-20261121-120000   # on as many processes as before
     """
     from adaloss_cli.distributed import PeerFailed, World, launch_command
-    from adaloss_cli.errors import Diverged, Interrupted
+    from adaloss.errors import Diverged
+    from adaloss_cli.errors import Interrupted
     from adaloss_cli.results.report import format_summary
 
     ctx = click.get_current_context()

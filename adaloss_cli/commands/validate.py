@@ -37,7 +37,7 @@ def validate(files: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
       adaloss validate digits
       adaloss validate digits mlp sweeps/digits --set precision.dtype=float16
     """
-    from adaloss_cli.errors import UserError
+    from adaloss.errors import UserError
 
     failed = 0
     for path in files:

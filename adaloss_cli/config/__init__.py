@@ -1,14 +1,11 @@
-"""The experiment config: the schema (frozen dataclasses) and the loader that validates YAML into it."""
+"""The experiment config: the schema (frozen dataclasses, its ``loss_scaling`` section the library's own options)
+and the loader that validates YAML into it."""
 
 from .loader import load_config, load_config_dict
 from .problems import ConfigError, Problem
 from .schema import (
-    AdaptiveScalingConfig,
     DataConfig,
-    DynamicScalingConfig,
     ExperimentConfig,
-    FixedScalingConfig,
-    LossScalingConfig,
     ModelConfig,
     OptimizerConfig,
     OutputConfig,
@@ -19,13 +16,9 @@ from .schema import (
 )
 
 __all__ = [
-    "AdaptiveScalingConfig",
     "ConfigError",
     "DataConfig",
-    "DynamicScalingConfig",
     "ExperimentConfig",
-    "FixedScalingConfig",
-    "LossScalingConfig",
     "ModelConfig",
     "OptimizerConfig",
     "OutputConfig",

@@ -13,8 +13,9 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from ._bounded_yaml import safe_load_bounded
-from ._messages import did_you_mean, suggest_path
-from ._schema_info import join, keys_of
+from adaloss.fields import did_you_mean, join, keys_of
+
+from ._messages import suggest_path
 from .problems import ProblemCollector
 from .schema import ExperimentConfig
 

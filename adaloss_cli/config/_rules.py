@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ._messages import show
+from adaloss.fields import ordered_problems, show
+from adaloss.options import AdaptiveScalingConfig, DynamicScalingConfig
+
 from .problems import ProblemCollector
 from .schema import LANGUAGE_MODELS, MODELS, TEXT_DATASETS
 
@@ -187,17 +189,14 @@ def _patches_tile_the_image(values: Values, collector: ProblemCollector) -> None
                                       f"must divide {side}: one of {divisors}")
 
 
-def _ordered(low_key: str, high_key: str, strict: bool) -> Callable[[Values, ProblemCollector], None]:
-    """A rule: when both keys are set, ``low_key`` must be below (``strict``) or at most ``high_key``."""
-    def rule(values: Values, collector: ProblemCollector) -> None:
-        low, high = values.get(low_key), values.get(high_key)
-        if low is None or high is None or low < high or (low == high and not strict):
-            return
-        relation = "<" if strict else "<="
-        collector.add(low_key, f"got {show(low)} with {high_key.rsplit('.', 1)[-1]} {show(high)}; "
-                               f"must be {relation} {high_key}")
-    rule.__name__ = f"_{low_key}_below_{high_key}"
-    return rule
+def _library_ordered(values: Values, collector: ProblemCollector) -> None:
+    """The ordered pairs the library's option classes declare (min_scale <= max_scale, u_min < u_max), with its
+    words, at the pair's low key."""
+    for cls in (DynamicScalingConfig, AdaptiveScalingConfig):
+        prefix = cls.section_path + "."
+        section = {key[len(prefix):]: value for key, value in values.items() if key.startswith(prefix)}
+        for key, message in ordered_problems(section, cls.ordered, cls.section_path):
+            collector.add(prefix + key, message)
 
 
 RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
@@ -215,6 +214,5 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _compile_supported,
     _heads_divide_width,
     _patches_tile_the_image,
-    _ordered("loss_scaling.dynamic.min_scale", "loss_scaling.dynamic.max_scale", strict=False),
-    _ordered("loss_scaling.adaptive.u_min", "loss_scaling.adaptive.u_max", strict=True),
+    _library_ordered,
 )

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ._checks import check_value
-from ._messages import SYNONYMS, describe, did_you_mean, suggest_key
+from adaloss.fields import SYNONYMS, KeyInfo, check_value, describe, did_you_mean, join, keys_of
+
+from ._messages import suggest_key
 from ._rules import check_rules
-from ._schema_info import KeyInfo, join, keys_of
 from .problems import ProblemCollector
 from .schema import ExperimentConfig
 

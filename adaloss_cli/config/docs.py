@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._checks import allowed
+from adaloss.fields import allowed, field_default
+
 from ._schema_info import lookup
-from .schema import field_default, iter_fields
+from .schema import iter_fields
 
 __all__ = ["MARKER_START", "MARKER_END", "config_table_markdown", "format_default", "table_block",
            "replace_table_block", "main"]

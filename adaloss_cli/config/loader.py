@@ -18,7 +18,7 @@ from ._overrides import apply_overrides, parse_overrides
 from ._validate import validate
 from ._yaml_lines import parse_yaml, yaml_problem
 from .problems import ConfigError, Problem, ProblemCollector
-from .schema import ExperimentConfig, LossScalingConfig
+from .schema import ExperimentConfig
 
 __all__ = ["ConfigError", "Problem", "load_config", "load_config_dict", "read_config_text"]
 
@@ -71,24 +71,3 @@ def load_config_dict(data: Mapping[str, Any] | None, source: str = "<dict>",
         ConfigError: listing every problem.
     """
     return validate(data, ProblemCollector(source, lines))
-
-
-#: Where the library's ``LossScaler`` departs from the config file's defaults. The trainer retries an overflowing
-#: adaptive batch itself; in a user's loop (or Lightning's, accelerate's) nothing re-runs the batch, so the library
-#: skips the step, as GradScaler does. ``on_overflow="retry"`` with a loop that checks ``should_retry`` opts in.
-LIBRARY_DEFAULTS: dict[str, dict[str, Any]] = {"adaptive": {"on_overflow": "skip"}}
-
-
-def scaling_config(method: str, options: dict[str, Any]) -> LossScalingConfig:
-    """Keyword options of one loss-scaling method (as a library ``LossScaler`` takes them), validated by the same
-    rules as YAML configs; a ``ValueError`` names the bad key."""
-    section: dict[str, Any] = {"method": method}
-    if options and method == "none":
-        raise ValueError(f"method 'none' takes no options, got {sorted(options)}")
-    defaults = LIBRARY_DEFAULTS.get(method, {})
-    if options or defaults:
-        section[method] = {**defaults, **options}
-    try:
-        return load_config_dict({"loss_scaling": section}, source="LossScaler(...)").loss_scaling
-    except ConfigError as err:
-        raise ValueError(str(err)) from None

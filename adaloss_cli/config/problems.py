@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 OVERRIDE_SOURCE = "--set"
 

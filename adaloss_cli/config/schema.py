@@ -1,14 +1,18 @@
 """The experiment config: one frozen dataclass per YAML section.
 
-Every field carries its help text and its constraints in ``metadata`` (see :func:`option`), so the validator, the
-README's key table and ``--help`` texts are all derived from this one file and cannot disagree.
+Every field carries its help text and its constraints in ``metadata`` (see ``adaloss.fields.option``), so the
+validator, the README's key table and ``--help`` texts are all derived from the schema and cannot disagree. The
+``loss_scaling`` section is the library's own options (``adaloss.options``), nested here as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from adaloss.fields import is_section, option, section
+from adaloss.options import LossScalingConfig
 
 BACKENDS = ("torch", "chainer")
 DEVICES = ("auto", "cpu", "cuda")
@@ -21,12 +25,6 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "float16", "bfloat16")
 PRECISION_MODES = ("autocast", "pure")
-SCALING_METHODS = ("none", "fixed", "dynamic", "adaptive")
-DYNAMIC_PRESETS = ("pytorch", "apex", "deepspeed", "megatron", "mindspore", "nnabla", "chainer")
-FLOOR_BEHAVIOURS = ("clamp", "raise")
-OVERFLOW_BEHAVIOURS = ("skip", "retry")
-ADAPTIVE_METHODS = ("max_range", "measured_range", "approx_range", "abs_range", "element_wise_range", "fixed")
-SCALE_MAX = 1e38  # scales live in float32 tensors (largest finite value 3.4e38)
 # Bounds that keep a typo from asking for the impossible (a run of 1e20 steps, a layer of 1e9 units); far above
 # any real experiment. The model's total parameter count is bounded too, before it is built (adaloss_cli.limits).
 SEED_MAX = 2**32 - 1  # NumPy's legacy seeding (Chainer) takes 32-bit seeds
@@ -37,27 +35,6 @@ MAX_STEPS = 10**9
 MAX_CLASSES = 100_000
 SYNTHETIC_MAX_SAMPLES = 10**7
 SYNTHETIC_MAX_IMAGE_SIZE = 1024
-
-
-def option(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-           max: float | None = None, exclusive_min: bool = False, item_type: type | None = None,
-           length: int | None = None, nullable: bool = False, default_factory: Any = None) -> Any:
-    """A config field with its help text and constraints, read by the validator and the docs generator.
-
-    For list fields (``item_type`` set), ``min``/``max`` bound each item and ``length`` is the required item count.
-    A field is nullable when asked, or when its default is None (a factory-made default does not count).
-    """
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "exclusive_min": exclusive_min,
-            "item_type": item_type, "length": length,
-            "nullable": nullable or (default is None and default_factory is None)}
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def section(cls: type, help: str) -> Any:
-    """A nested config section."""
-    return field(default_factory=cls, metadata={"help": help, "section": True})
 
 
 @dataclass(frozen=True)
@@ -170,87 +147,6 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class FixedScalingConfig:
-    """Static loss scaling."""
-    scale: float = option(128.0, "The constant loss scale S.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    skip_on_overflow: bool = option(True, "Skip the optimizer step when a gradient is not finite "
-                                    "(MindSpore's drop_overflow_update).")
-
-
-@dataclass(frozen=True)
-class DynamicScalingConfig:
-    """Dynamic loss scaling: one state machine, with presets that reproduce each peer's defaults.
-
-    Fields left unset (null) take the preset's value.
-    """
-    preset: str = option("pytorch", "Defaults to start from.", choices=DYNAMIC_PRESETS)
-    init_scale: Optional[float] = option(None, "Initial loss scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    growth_factor: Optional[float] = option(None, "Multiplier after growth_interval clean steps. null: the preset's value.", min=1.0)
-    backoff_factor: Optional[float] = option(None, "Multiplier on overflow. null: the preset's value.", min=0.0, max=1.0, exclusive_min=True)
-    growth_interval: Optional[int] = option(None, "Clean steps in a row before the scale grows. null: the preset's value.", min=1)
-    hysteresis: Optional[int] = option(None, "Overflows tolerated before the scale backs off. null: the preset's value.", min=1)
-    min_scale: Optional[float] = option(None, "Floor of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    max_scale: Optional[float] = option(None, "Ceiling of the scale. null: the preset's value.", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    on_floor: Optional[str] = option(None, "At min_scale with another overflow: clamp (keep going) or raise "
-                                     "(stop the run as diverged).", choices=FLOOR_BEHAVIOURS)
-    on_overflow: Optional[str] = option(None, "skip the step, or retry the same batch with the smaller scale.",
-                                        choices=OVERFLOW_BEHAVIOURS)
-    max_retries: Optional[int] = option(None, "retry: attempts per batch before the step is skipped.", min=1)
-    grow_every_step_until_overflow: Optional[bool] = option(
-        None, "Double every step until the first overflow (Chainer's warm start).")
-    smooth_growth: Optional[bool] = option(
-        None, "Grow by growth_factor^(1/growth_interval) after every clean step instead of in one jump (Chainer).")
-
-
-@dataclass(frozen=True)
-class AdaptiveScalingConfig:
-    """Adaptive per-layer loss scaling (Zhao et al., IJCAI 2020), with adaloss's range-filling default rule."""
-    loss_scale_method: str = option(
-        "max_range", "How each layer's factor is computed: max_range (largest factor an exact bound allows), "
-        "measured_range (the paper's rule on the measured share of underflow), or the paper's approx_range, "
-        "abs_range, element_wise_range, fixed.", choices=ADAPTIVE_METHODS)
-    init_scale: float = option(1.0, "Scale the loss is multiplied by (the output point then sets its own).",
-                               min=0.0, max=SCALE_MAX, exclusive_min=True)
-    u_min: Optional[float] = option(None, "Smallest magnitude to keep (default by dtype: 6e-8 fp16, 1e-23 fp32).",
-                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
-    u_max: Optional[float] = option(None, "Largest magnitude allowed (default by dtype: 65504 fp16, 1e23 fp32).",
-                                    min=0.0, max=SCALE_MAX, exclusive_min=True)
-    n_uf_threshold: float = option(1e-3, "Tolerated fraction of underflowing values (approx_range, "
-                                   "measured_range).", min=0.0, max=0.5, exclusive_min=True)
-    scale_upper_bound: float = option(16.0, "Largest per-layer factor (approx_range, measured_range with "
-                                      "use_bound).", min=0.0, max=SCALE_MAX, exclusive_min=True)
-    accum_upper_bound: Optional[float] = option(
-        None, "Largest accumulated scale a layer may create, counted from the output (approx_range, "
-        "measured_range with use_bound); null: only the range caps it (the paper used 1024).",
-        min=0.0, max=SCALE_MAX, exclusive_min=True)
-    power_of_two: bool = option(True, "Round each factor down to a power of two (exact scaling).")
-    use_bound: bool = option(True, "Apply scale_upper_bound and accum_upper_bound (approx_range, measured_range).")
-    fixed_loss_scale: float = option(1.0, "loss_scale_method=fixed: the constant per-layer factor.", min=0.0,
-                                     max=SCALE_MAX, exclusive_min=True)
-    update_per_n_iteration: int = option(1, "Recompute the statistics every N training iterations.", min=1)
-    exact_bounds: bool = option(True, "Give each layer's weight gradient a factor of its own, bounded exactly "
-                                     "from the layer input, so it cannot overflow (false: the paper's shared factor).")
-    backoff_factor: float = option(0.5, "On an overflow, multiply the top of the range every factor aims at by "
-                                   "this (and recompute).", min=0.0, max=1.0, exclusive_min=True)
-    growth_interval: int = option(2000, "Clean steps in a row before a backed-off range grows back by "
-                                  "1/backoff_factor (up to u_max).", min=1)
-    on_overflow: str = option("retry", "retry the same batch with the backed-off range (a rare overflow costs one "
-                              "more forward and backward, not a batch), or skip the step as GradScaler does (the "
-                              "library's LossScaler skips by default: a user's loop does not re-run a batch).",
-                              choices=OVERFLOW_BEHAVIOURS)
-    max_retries: int = option(3, "retry: attempts per batch before the step is skipped.", min=1)
-
-
-@dataclass(frozen=True)
-class LossScalingConfig:
-    """Which loss-scaling method to use, and its knobs."""
-    method: str = option("dynamic", "Loss-scaling method.", choices=SCALING_METHODS)
-    fixed: FixedScalingConfig = section(FixedScalingConfig, "method=fixed.")
-    dynamic: DynamicScalingConfig = section(DynamicScalingConfig, "method=dynamic.")
-    adaptive: AdaptiveScalingConfig = section(AdaptiveScalingConfig, "method=adaptive.")
-
-
-@dataclass(frozen=True)
 class OutputConfig:
     """Where and what to write."""
     root: str = option("runs", "Folder that holds run directories.")
@@ -275,11 +171,6 @@ class ExperimentConfig:
     output: OutputConfig = section(OutputConfig, "Results.")
 
 
-def is_section(f: dataclasses.Field) -> bool:
-    """Whether a dataclass field is a nested section rather than a value."""
-    return bool(f.metadata.get("section"))
-
-
 def iter_fields(cls: type = ExperimentConfig, prefix: str = ""):
     """Yield (dotted_key, field) for every leaf key of the schema, in declaration order."""
     for f in dataclasses.fields(cls):
@@ -293,13 +184,6 @@ def iter_fields(cls: type = ExperimentConfig, prefix: str = ""):
 def _resolve(cls: type, f: dataclasses.Field) -> type:
     import typing
     return typing.get_type_hints(cls)[f.name]
-
-
-def field_default(f: dataclasses.Field) -> Any:
-    """The default value of a leaf field."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc]
 
 
 def to_dict(cfg: Any) -> dict:

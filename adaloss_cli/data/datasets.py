@@ -15,7 +15,7 @@ import numpy as np
 
 from adaloss_cli.config.schema import DATASETS, DataConfig
 from adaloss_cli.data import readers, text
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 #: ``Dataset.task`` values: one label per example, or the next token at every position of a token sequence.
 CLASSIFICATION = "classification"

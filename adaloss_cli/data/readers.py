@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 
 class RawSplits(NamedTuple):

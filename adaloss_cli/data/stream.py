@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from adaloss_cli.data.datasets import Dataset
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 PAD = 4
 _AUGMENT_STREAM = 1

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adaloss_cli import __version__
-from adaloss_cli.errors import UserError
+from adaloss import __version__
+from adaloss.errors import UserError
 from adaloss_cli.results.checkpoint_format import (NotACheckpoint, UnsafeCheckpoint, load_checkpoint,
                                                    save_checkpoint)
 from adaloss_cli.results.files import atomic_file, remove_stale_temp_files, write_failure

@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
-from adaloss_cli.errors import AdalossError, Interrupted
+from adaloss.errors import AdalossError
+from adaloss_cli.errors import Interrupted
 from adaloss_cli.progress import ProgressBar, progress_bar
 from adaloss_cli.results.rundata import FINISHED, RunData, run_status
 from adaloss_cli.self_command import adaloss_command

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
-from adaloss_cli.errors import RuntimeFailure
+from adaloss.errors import RuntimeFailure
 from adaloss_cli.limits import MAX_JSON_BYTES, LimitExceeded, read_bounded
 
 #: Suffix of every temporary file an atomic write makes; a crash can leave one behind (see remove_stale_temp_files).

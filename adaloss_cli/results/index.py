@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.files import atomic_write_json, read_json
 from adaloss_cli.results.methods import BASELINE, label_of_config

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 LOCK_FILE = ".lock"
 

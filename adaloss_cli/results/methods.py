@@ -12,8 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from adaloss_cli.config.schema import ADAPTIVE_METHODS, DYNAMIC_PRESETS, SCALE_MAX, SCALING_METHODS
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
+from adaloss.options import ADAPTIVE_METHODS, DYNAMIC_PRESETS, SCALE_MAX, SCALING_METHODS
 
 BASELINE = "fp32"
 
@@ -110,7 +110,7 @@ def label_of_config(config: dict) -> str:
     Options at their schema default are left out (``fixed`` for scale 128), so loose runs of one method group
     together.
     """
-    from adaloss_cli.config.schema import AdaptiveScalingConfig, DynamicScalingConfig, FixedScalingConfig
+    from adaloss.options import AdaptiveScalingConfig, DynamicScalingConfig, FixedScalingConfig
 
     scaling = config.get("loss_scaling") or {}
     method = scaling.get("method", "dynamic")

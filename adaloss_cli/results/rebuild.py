@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 from adaloss_cli.results.comparison import Group, aggregate, to_markdown, write_tables
 from adaloss_cli.results.files import remove_stale_temp_files
 from adaloss_cli.results.index import COMPARE, TABLE_STEM, title_of

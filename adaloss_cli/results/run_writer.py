@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from adaloss_cli import __version__
-from adaloss_cli.backends.base import LayerRecord, StepOutcome
+from adaloss import __version__
+from adaloss.records import LayerRecord
+from adaloss_cli.backends.base import StepOutcome
 from adaloss_cli.data.datasets import LANGUAGE_MODEL
 from adaloss_cli.results.files import (CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text, json_text,
                                       overwrite_in_place, read_json, write_failure)

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from adaloss_cli.errors import RuntimeFailure, UserError
+from adaloss.errors import RuntimeFailure, UserError
 from adaloss_cli.results.files import TEMP_SUFFIX, atomic_write_text, remove_stale_temp_files
 from adaloss_cli.results.locks import LOCK_FILE, DirectoryLock
 

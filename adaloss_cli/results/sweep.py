@@ -33,7 +33,7 @@ from adaloss_cli.config import ConfigError, load_config
 from adaloss_cli.config._bounded_yaml import YamlLimitError, safe_load_bounded
 from adaloss_cli.config.loader import read_config_text
 from adaloss_cli.config.schema import ExperimentConfig
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 from adaloss_cli.limits import LimitExceeded, check_run_count
 
 SWEEP_KEYS = ("base", "out", "set", "grid", "list")

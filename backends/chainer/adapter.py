@@ -20,13 +20,13 @@ import numpy as np
 
 from adaloss_cli.backends.base import Backend, Batch, EvalResult, StepOutcome
 from adaloss_cli.config.schema import ExperimentConfig
-from adaloss_cli.core.array_ops import HOST
-from adaloss_cli.errors import UserError
+from adaloss.core.array_ops import HOST
+from adaloss.errors import UserError
 
-from ._compat import import_chainer, import_cupy
+from adaloss.chainer.compat import import_chainer, import_cupy
 from .models import build_model, describe_model
 from .optimizers import build_optimizer
-from .scaler import LossScaler
+from adaloss.chainer.scaler import LossScaler
 
 chainer = import_chainer()
 F = chainer.functions

@@ -16,10 +16,10 @@ import math
 from typing import Callable, Sequence
 
 from adaloss_cli.config.schema import ModelConfig
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
-from ._compat import import_chainer
-from .scale_points import Fork
+from adaloss.chainer.compat import import_chainer
+from adaloss.chainer.scale_points import Fork
 
 chainer = import_chainer()
 F = chainer.functions

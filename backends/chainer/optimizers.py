@@ -12,7 +12,7 @@ from typing import Any
 
 from adaloss_cli.config.schema import OptimizerConfig
 
-from ._compat import import_chainer
+from adaloss.chainer.compat import import_chainer
 
 chainer = import_chainer()
 optimizer_module = chainer.optimizer

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from adaloss_cli.backends.base import Backend, Batch, EvalResult, StepOutcome
 from adaloss_cli.backends.torch.distributed import data_parallel, world_size
 from adaloss_cli.backends.torch.models import build_model, describe_model
-from adaloss_cli.backends.torch.precision import MixedPrecisionForward
-from adaloss_cli.backends.torch.scaler import LossScaler
+from adaloss.torch.precision import MixedPrecisionForward
+from adaloss.torch.scaler import LossScaler
 from adaloss_cli.config.schema import ExperimentConfig, OptimizerConfig
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 
 def build_optimizer(params, cfg: OptimizerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
@@ -87,7 +87,7 @@ class TorchBackend(Backend):
             torch.cuda.reset_peak_memory_stats(device)
 
     def _graphed_step(self) -> Any:
-        from adaloss_cli.backends.torch.graphs import GraphedStep
+        from adaloss.torch.graphs import GraphedStep
 
         clip = self.config.training.grad_clip_norm
 

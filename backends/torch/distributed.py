@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .precision import MixedPrecisionForward
+from adaloss.torch.precision import MixedPrecisionForward
 
 #: Buffers under this module are the adaptive transform's per-process scale state.
 ADALOSS_PREFIX = "model.adaloss."

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from adaloss_cli.config.schema import LANGUAGE_MODELS, ModelConfig
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 from .transformer_models import GPT, ViT
 

@@ -26,11 +26,13 @@ def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: floa
         raise ValueError(f"need one scale per gradient, got {len(grads)} gradients and {len(scales)} scales")
     ops = Float32Ops(*grads)
     with ops.quiet():
-        common, multipliers = _branch_common_scale(ops, grads, [ops.scalar(a) for a in scales], u_max)
+        common, multipliers = branch_common_scale_with(ops, grads, [ops.scalar(a) for a in scales], u_max)
     return ops.from_scalar(common), [ops.from_scalar(m) for m in multipliers]
 
 
-def _branch_common_scale(ops: Float32Ops, grads: Sequence[Any], a: Sequence[Any], u_max: float) -> tuple[Any, list]:
+def branch_common_scale_with(ops: Float32Ops, grads: Sequence[Any], a: Sequence[Any], u_max: float) -> tuple[Any, list]:
+    """:func:`branch_common_scale` with the namespace ``ops`` of the gradients and their scales ``a`` as its
+    scalars (the caller is inside ``ops.quiet()``)."""
     sops = ops.scalars
     c = sops.const
     limit = c(u_max)

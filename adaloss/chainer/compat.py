@@ -4,8 +4,8 @@
 installs a ``distutils`` shim that replaces the standard library's distutils and has no such module, so the import
 fails whenever the shim is active. :func:`import_chainer` removes the shim (guarded: it is a private setuptools
 module) and, if setuptools' distutils was already imported by someone else, hides it while Chainer imports. It also
-silences the pkg_resources deprecation warning Chainer triggers on import. Everything else in
-``adaloss_cli.backends.chainer`` imports Chainer through this module.
+silences the pkg_resources deprecation warning Chainer triggers on import. Everything else in adaloss (and the
+app's Chainer backend) imports Chainer through this module.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
-from adaloss_cli.core.array_ops import ops_for
-from adaloss_cli.core.branches import _branch_common_scale
-from adaloss_cli.core.range_bounds import _output_factor
-from adaloss_cli.core.scale_steps import refresh_factors
+from adaloss.core.adaptive import rule_of
+from adaloss.core.array_ops import ops_for
+from adaloss.core.branches import branch_common_scale_with
+from adaloss.core.range_bounds import output_factor_with
+from adaloss.core.scale_steps import refresh_factors
 
 from .compiled_steps import point_forward, point_gradients
 from .points import ScalePoint, _no_autocast
@@ -133,7 +133,7 @@ class _RefreshPoint(torch.autograd.Function):
         options = trace.options
         needs = ctx.needs_input_grad[5:8]
         accum = trace.read(c, point.out_slot)
-        weight = wc if options.method in EXACT_WEIGHT_METHODS else master.detach()
+        weight = wc if rule_of(options).exact_weight else master.detach()
         x_input = xc.detach() if needs[1] and options.exact_bounds else None
         with _no_autocast(gy.device.type):  # (the trace may run inside the forward's autocast region)
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
@@ -176,11 +176,11 @@ class _RefreshMerge(torch.autograd.Function):
         elif present:
             tensors = [grads[i] for i in present]
             limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom
-            if trace.options.method == "max_range":
+            if rule_of(trace.options).shares_branch_range:
                 limit /= len(tensors)
             scales = [trace.read(c, point.out_slots[i]) for i in present]
             with _no_autocast(tensors[0].device.type):
-                common, multipliers = _branch_common_scale(ops_for(tensors[0]), tensors, scales, limit)
+                common, multipliers = branch_common_scale_with(ops_for(tensors[0]), tensors, scales, limit)
             for i, m in zip(present, multipliers):
                 out[i] = times(grads[i], m)
             trace.write(point.in_slot, common)
@@ -207,7 +207,7 @@ class _RefreshOutput(torch.autograd.Function):
         (c,) = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         with _no_autocast(g.device.type):
-            factor = _output_factor(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
+            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),

@@ -6,7 +6,7 @@ table of its execution (``scale_state.py``); the transform fixes statically whic
 
 - A *scale point* replaces a matrix product or convolution with a parameter operand (``points.py`` holds each
   kind's arithmetic). Its backward takes the layer's output gradient gy (scale A), asks the core
-  (``adaloss_cli.core.scale_steps``) for two factors, computes the input gradient from s * gy (it carries A * s) and
+  (``adaloss.core.scale_steps``) for two factors, computes the input gradient from s * gy (it carries A * s) and
   the weight gradient from s_w * gy (at A * s_w, bounded so that it cannot overflow), and returns the weight and bias
   gradients already divided by their scales in float32: every *use* of a parameter leaves backward unscaled, before
   autograd adds uses together (tied weights, a module called twice).
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adaloss_cli.core.adaptive_stats import underflow_fraction
-from adaloss_cli.core.scale_steps import branch_scale_step, output_scale_step
+from adaloss.core.adaptive_stats import underflow_fraction
+from adaloss.core.scale_steps import branch_scale_step, output_scale_step
 
 from .scale_state import Execution, GraphPlan, ScaleState
 

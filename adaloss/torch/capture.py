@@ -23,8 +23,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from adaloss.errors import TransformError
+
 from .attention import expose_attention, restore_attention
-from .graph_transform import TransformError, transform_graph
+from .graph_transform import transform_graph
 from .scale_state import ScaleState
 
 __all__ = ["compiled", "install", "installed_state", "uninstall"]

@@ -12,12 +12,16 @@ from abc import ABC, abstractmethod
 from enum import Enum
 from typing import Any, Callable
 
-from adaloss_cli.config.schema import LossScalingConfig, SCALING_METHODS
-from adaloss_cli.core.presets import KNOBS, dynamic_problems, preset_knobs, resolve_dynamic
-from adaloss_cli.errors import LossScaleFloorError, UserError
+from typing import TYPE_CHECKING
+
+from adaloss.core.presets import KNOBS, dynamic_problems, preset_knobs
+from adaloss.errors import LossScaleFloorError, UserError
+
+if TYPE_CHECKING:  # the options import the core, never the reverse at import time
+    from adaloss.options import LossScalingConfig
 
 __all__ = ["FLOAT32_MAX", "StepAction", "ScalePolicy", "NoScaling", "FixedScaling", "DynamicScaling",
-           "AdaptiveGlobal", "build_policy", "resolve_dynamic"]
+           "AdaptiveGlobal", "build_policy"]
 
 #: The largest finite float32: every scale is applied as a float32 tensor somewhere (the loss, a gradient), so no
 #: scale may grow past it (GradScaler keeps its scale in a float32 tensor and refuses such a growth too).
@@ -434,8 +438,7 @@ def _knob_range_problems(knobs: dict[str, Any]) -> list[str]:
 
 
 def _dynamic_from_config(cfg: LossScalingConfig) -> DynamicScaling:
-    knobs = resolve_dynamic(cfg.dynamic)
-    return DynamicScaling(cfg.dynamic.preset, **knobs)
+    return DynamicScaling(cfg.dynamic.preset, **cfg.dynamic.resolved())
 
 
 _BUILDERS: dict[str, Callable[[LossScalingConfig], ScalePolicy]] = {
@@ -446,7 +449,6 @@ _BUILDERS: dict[str, Callable[[LossScalingConfig], ScalePolicy]] = {
                                            cfg.adaptive.growth_interval, cfg.adaptive.on_overflow,
                                            cfg.adaptive.max_retries),
 }
-assert tuple(_BUILDERS) == SCALING_METHODS, "one policy per loss_scaling.method"
 
 
 def build_policy(cfg: LossScalingConfig) -> ScalePolicy:

@@ -27,13 +27,15 @@ from typing import Any, Iterable
 import torch
 from torch import fx, nn
 
-from .graph_ops import (NORMS, TransformError, buffer_nodes, carries_grad, example, functionalize,
+from adaloss.errors import TransformError
+
+from .graph_ops import (NORMS, buffer_nodes, carries_grad, example, functionalize,
                         match_scale_point, namer, parameter_derived, parameter_nodes, refuse_opaque_subgraphs)
 from .points import ScalePoint
 from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse
 from .scale_state import GraphPlan, ScaleState
 
-__all__ = ["AdalossGraph", "TransformError", "transform_graph"]
+__all__ = ["AdalossGraph", "transform_graph"]
 
 
 class AdalossGraph(nn.Module):

@@ -8,9 +8,9 @@
     stepped = scaler.step(optimizer)                # False when the step was skipped (overflow)
     scaler.update()
 
-The global scale S comes from the shared policies (``adaloss_cli.core.policies``): the policy decides, the scaler
+The global scale S comes from the shared policies (``adaloss.core.policies``): the policy decides, the scaler
 only checks once per step whether any gradient is non-finite. Adaptive factors come from the shared core math
-(``adaloss_cli.core.adaptive``) on NumPy or CuPy arrays, on the device; the only device-to-host read per step is
+(``adaloss.core.adaptive``) on NumPy or CuPy arrays, on the device; the only device-to-host read per step is
 the skip decision in :meth:`step` (together with the loss, when given).
 """
 
@@ -21,13 +21,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from adaloss_cli.backends.base import LayerRecord
-from adaloss_cli.config.loader import scaling_config
-from adaloss_cli.config.schema import LossScalingConfig
-from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
+from adaloss.records import LayerRecord
+from adaloss.options import LossScalingConfig, scaling_options
+from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
-from ._compat import import_chainer
+from .compat import import_chainer
 from .scale_points import is_host_one, output_point
 from .transform import AdalossLinks, route, transform_links
 
@@ -86,11 +84,11 @@ class LossScaler:
 
     def __init__(self, model: Any, method: str = "dynamic", *, config: LossScalingConfig | None = None,
                  **options: Any) -> None:
-        self.config = config if config is not None else scaling_config(method, options)
+        self.config = config if config is not None else scaling_options(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
         self.model = model
-        adaptive = AdaptiveOptions.from_config(self.config.adaptive) if self.method == "adaptive" else None
+        adaptive = self.config.adaptive if self.method == "adaptive" else None
         self.links: AdalossLinks = transform_links(model, adaptive, init_scale=self.policy.scale)
         self.state = self.links.state
         self._attempt = 0

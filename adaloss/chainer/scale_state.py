@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.scale_schedule import ScaleSchedule
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.scale_schedule import ScaleSchedule
 
-from ._compat import import_chainer
+from .compat import import_chainer
 
 chainer = import_chainer()
 
@@ -22,10 +22,10 @@ class ScaleState(ScaleSchedule):
 
     ``options`` None means measure-only: every factor is 1 and the table holds the global loss scale everywhere
     (used to measure underflow for the none/fixed/dynamic methods). Arrays live in ``xp`` (numpy or cupy), float32.
-    When the scale points recompute what is :class:`~adaloss_cli.core.scale_schedule.ScaleSchedule`'s decision.
+    When the scale points recompute what is :class:`~adaloss.core.scale_schedule.ScaleSchedule`'s decision.
     """
 
-    def __init__(self, xp: Any, num_slots: int, num_points: int, options: AdaptiveOptions | None,
+    def __init__(self, xp: Any, num_slots: int, num_points: int, options: AdaptiveScalingConfig | None,
                  init_scale: float, origin_slot: int) -> None:
         self.xp = xp
         self.init_schedule(options)

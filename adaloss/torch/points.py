@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
-from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
-from adaloss_cli.core.scale_steps import layer_scale_step
+from adaloss.core.adaptive import rule_of
+from adaloss.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
+from adaloss.core.scale_steps import layer_scale_step
 
 from .scale_ops import divide_to, multiply, same_factor
 from .scale_state import Execution, ScaleState
@@ -145,7 +145,7 @@ class ScalePoint(nn.Module):
         weight = x_input = None
         options = execution.options
         if execution.refresh and execution.adaptive:
-            weight = w if (w is not None and options.method in EXACT_WEIGHT_METHODS) else master.detach()
+            weight = w if (w is not None and rule_of(options).exact_weight) else master.detach()
             if needs_w and options.exact_bounds:
                 x_input = x.detach()  # a saved input may require grad: one compiled refresh serves both
         fused = self.state.refresh_functions()

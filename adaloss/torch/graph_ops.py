@@ -14,16 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from adaloss_cli.errors import UserError
+from adaloss.errors import TransformError
 
 from .points import ConvPoint, LinearPoint, MatmulPoint
 
-__all__ = ["NORMS", "TransformError", "buffer_nodes", "carries_grad", "example", "functionalize", "is_view",
+__all__ = ["NORMS", "buffer_nodes", "carries_grad", "example", "functionalize", "is_view",
            "match_scale_point", "namer", "parameter_derived", "parameter_nodes", "refuse_opaque_subgraphs"]
 
 
-class TransformError(UserError):
-    """The model cannot be transformed for adaptive loss scaling; the message names what and the fix."""
 
 
 _LINEAR = {torch._C._nn.linear, F.linear}

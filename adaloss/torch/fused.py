@@ -1,4 +1,4 @@
-"""The compiled refresh: the core's refresh functions (``adaloss_cli.core.scale_steps``) under torch.compile.
+"""The compiled refresh: the core's refresh functions (``adaloss.core.scale_steps``) under torch.compile.
 
 On a device, a refresh of the adaptive factors is dozens of operations on single numbers per point; compiled whole
 (Inductor), each point's statistics, factor math, reads and writes of the scale state, and the factors applied to its
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from adaloss_cli.core.array_ops import ops_for
-from adaloss_cli.core.scale_steps import refresh_branch, refresh_layer, refresh_output
+from adaloss.core.array_ops import ops_for
+from adaloss.core.scale_steps import refresh_branch, refresh_layer, refresh_output
 
 from .scale_ops import Applied, times
 from .scale_state import _POINT_ARRAYS
@@ -23,7 +23,7 @@ __all__ = ["FusedRefresh", "fused_refresh"]
 
 @dataclass
 class FusedRefresh:
-    """Compiled drop-in replacements of the core's refresh functions (``adaloss_cli.core.scale_steps``)."""
+    """Compiled drop-in replacements of the core's refresh functions (``adaloss.core.scale_steps``)."""
     layer: Any
     branch: Any
     output: Any
@@ -46,7 +46,7 @@ _GY = 1 + len(_POINT_ARRAYS)
 
 
 def _layer_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_layer`, which also applies both factors to gy in
+    """The compiled :func:`~adaloss.core.scale_steps.refresh_layer`, which also applies both factors to gy in
     its own kernels: (:class:`Applied` s, :class:`Applied` s_w, A_w)."""
 
     def refresh_and_apply(*args: Any, **kwargs: Any) -> tuple:
@@ -65,7 +65,7 @@ def _layer_refresh() -> Any:
 
 
 def _branch_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_branch`, which also applies each multiplier to
+    """The compiled :func:`~adaloss.core.scale_steps.refresh_branch`, which also applies each multiplier to
     its gradient in its own kernels: one :class:`Applied` per gradient."""
 
     def refresh_and_apply(grads: list, *args: Any, **kwargs: Any) -> tuple:
@@ -82,7 +82,7 @@ def _branch_refresh() -> Any:
 
 
 def _output_refresh() -> Any:
-    """The compiled :func:`~adaloss_cli.core.scale_steps.refresh_output`."""
+    """The compiled :func:`~adaloss.core.scale_steps.refresh_output`."""
     compiled = _compiled(refresh_output)
     return lambda g, *args, **kwargs: compiled(g, g, *args, **kwargs)
 

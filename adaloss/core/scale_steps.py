@@ -16,13 +16,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .adaptive import (MAX_ACCUMULATED_SCALE, Peak, _bound, _floor_power_of_two, _statistics_of,
-                       _unbound_factor)
-from .branches import _branch_common_scale
-from .range_bounds import _output_factor, _weight_gradient_bound, abs_sum_max
+from .adaptive import MAX_ACCUMULATED_SCALE, Peak, bound_with, rule_of, statistics_for, unbound_factor_with
+from .array_ops import ops_for
+from .branches import branch_common_scale_with
+from .range_bounds import abs_sum_max, output_factor_with, weight_gradient_bound_with
 
 _SCALAR_TYPES = (int, float, np.generic)
-from .array_ops import ops_for
 
 __all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refresh_branch", "refresh_factors",
            "refresh_layer", "refresh_output"]
@@ -93,12 +92,12 @@ def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any,
     sops = ops.scalars
     with ops.quiet():
         peak = Peak(ops, gy)  # max |gy|, reduced once for both factors
-        unbound = _unbound_factor(ops, gy, _statistics_of(weight, options, axes), fan, options, headroom, peak)
+        unbound = unbound_factor_with(ops, gy, statistics_for(weight, options, axes), fan, options, headroom, peak)
         if options.exact_bounds and x_bound is not None:
             if not isinstance(x_bound, _SCALAR_TYPES) and getattr(x_bound, "ndim", 0) > 0:
                 x_bound = abs_sum_max(ops_for(x_bound), x_bound, x_axis)
             u_max = options.range_for(gy.dtype)[1] * headroom
-            weight_unbound = _weight_gradient_bound(ops, gy, ops.scalar(x_bound), u_max, peak)
+            weight_unbound = weight_gradient_bound_with(ops, gy, ops.scalar(x_bound), u_max, peak)
         else:
             weight_unbound = sops.const(float("inf"))
         return (unbound, weight_unbound) + _bounded(sops, unbound, weight_unbound, accum, origin, options)
@@ -108,19 +107,19 @@ def _bounded(sops: Any, unbound: Any, weight_unbound: Any, accum: Any, origin: A
     """(factor, weight_factor, A * factor, A * weight_factor): the caps and the power-of-two floor applied with
     the current accumulated scales (what steps between refreshes recompute when anything changed)."""
     ceiling = sops.const(MAX_ACCUMULATED_SCALE) / accum
-    factor = _bound(sops, unbound, accum, options, origin, ceiling)
+    factor = bound_with(sops, unbound, accum, options, origin, ceiling)
     weight_factor = _weight_factor(sops, factor, weight_unbound, ceiling, options)
     return factor, weight_factor, accum * factor, accum * weight_factor
 
 
 def _weight_factor(sops: Any, factor: Any, bound: Any, ceiling: Any, opts: Any) -> Any:
-    """max_range fills the range on its own for the weight gradient; the paper's methods keep their factor unless
-    it would overflow the weight gradient. ``bound`` = +inf: no separate bound, the factor itself. ``ceiling``:
+    """A rule with its own weight factor (max_range) fills the range for the weight gradient; the others keep their
+    factor unless it would overflow the weight gradient. ``bound`` = +inf: no separate bound, the factor itself. ``ceiling``:
     MAX_ACCUMULATED_SCALE / A."""
-    if opts.method != "max_range":
+    if not rule_of(opts).own_weight_factor:
         bound = sops.minimum(bound, factor)
     bound = sops.minimum(bound, ceiling)
-    return _floor_power_of_two(sops, bound) if opts.power_of_two else bound
+    return sops.floor_power_of_two(bound) if opts.power_of_two else bound
 
 
 def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any,
@@ -144,7 +143,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
     if state.refresh:
         opts = state.options
         limit = opts.range_for(grads[0].dtype)[1] * state.headroom
-        if opts.method == "max_range":
+        if rule_of(opts).shares_branch_range:
             limit /= len(grads)
         multipliers = (refresh or refresh_branch)(list(grads), scales, cache, limit=limit)
     else:
@@ -159,7 +158,7 @@ def refresh_branch(grads: list, scales: list, cache: Any, *, limit: float) -> li
     write, so that a backend may compile it as it is."""
     ops = ops_for(grads[0])
     with ops.quiet():
-        common, multipliers = _branch_common_scale(ops, grads, scales, limit)
+        common, multipliers = branch_common_scale_with(ops, grads, scales, limit)
     cache[...] = common
     return multipliers
 
@@ -187,4 +186,4 @@ def refresh_output(g: Any, cache: Any, *, target_dtype: Any, options: Any, headr
     range (less the headroom), written to ``cache``."""
     ops = ops_for(g)
     with ops.quiet():
-        cache[...] = _output_factor(ops, g, target_dtype, options, headroom)
+        cache[...] = output_factor_with(ops, g, target_dtype, options, headroom)

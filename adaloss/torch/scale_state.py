@@ -9,7 +9,7 @@ name, so a recompiled graph for another input shape continues where the last one
 statistics-based factors, the applied factors and the measurements of recorded steps.
 
 On CPU the factor math reads and writes these tensors through NumPy views of the same memory and finishes on
-float32 host scalars (see ``adaloss_cli.core.array_ops``); on CUDA everything stays on the device and nothing is
+float32 host scalars (see ``adaloss.core.array_ops``); on CUDA everything stays on the device and nothing is
 read back during a step.
 
 Between refreshes on CUDA, the steps apply factors that no longer change. The scaler reads them back once, in the same
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.array_ops import host_view, scalars_on_host
-from adaloss_cli.core.scale_schedule import ScaleSchedule
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.array_ops import host_view, scalars_on_host
+from adaloss.core.scale_schedule import ScaleSchedule
 
 from .execution import Execution, GraphPlan, HostMirror
 
@@ -46,7 +46,7 @@ class ScaleState(ScaleSchedule):
     Owned by the :class:`~.scaler.LossScaler`, not by the model, so the model's ``state_dict`` is unchanged.
     """
 
-    def __init__(self, options: AdaptiveOptions | None, init_scale: float, device: torch.device | str) -> None:
+    def __init__(self, options: AdaptiveScalingConfig | None, init_scale: float, device: torch.device | str) -> None:
         #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
         #: steps between refreshes (``compiled_steps.py``) gather their coefficients again when it moves.
         self.generation = 0

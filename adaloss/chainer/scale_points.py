@@ -1,7 +1,7 @@
 """Run-time pieces of adaptive loss scaling in Chainer: scale points, branch and output points (the scale table
 they read and write is ``scale_state.ScaleState``).
 
-The invariant and the roles are those of ``backends/torch/points.py`` (DESIGN.md 2.1-2.3): every activation
+The invariant and the roles are those of ``adaloss/torch/points.py`` (DESIGN.md 2.1-2.3): every activation
 gradient carries an accumulated scale A, held in a small float32 table on the model's device (NumPy or CuPy), one
 slot per gradient edge whose scale a node sets. The pieces here are Chainer ``FunctionNode``s made afresh in every
 forward; the persistent per-layer objects (:class:`ScalePoint`, :class:`BranchPoint`, :class:`OutputPoint`) own the
@@ -9,7 +9,7 @@ slots they write, and the routing (``transform.route``) tells each node, after t
 which slot its incoming gradient's scale is in. At run time nodes only index the table: no device-to-host read.
 
 - ``_ScaledNode`` is a Linear/Convolution2D's own function node: its backward reads A of the layer's output gradient
-  gy, gets two factors from the shared core (``adaloss_cli.core.scale_steps``), computes gx from s * gy (it carries
+  gy, gets two factors from the shared core (``adaloss.core.scale_steps``), computes gx from s * gy (it carries
   A * s, written to the layer's input slot) and the weight and bias gradients from s_w * gy (at A * s_w, written to
   the layer's weight slot, by which the scaler divides them).
 - ``_MeasureNode`` precedes it on recorded steps only: it measures how many elements of gx are zero where the same
@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from adaloss_cli.backends.base import OUTPUT_RECORD
-from adaloss_cli.core.adaptive import EXACT_WEIGHT_METHODS
-from adaloss_cli.core.adaptive_stats import underflow_fraction
-from adaloss_cli.core.array_ops import scale_in_float32
-from adaloss_cli.core.scale_steps import branch_scale_step, layer_scale_step, output_scale_step
+from adaloss.records import OUTPUT_RECORD
+from adaloss.core.adaptive import rule_of
+from adaloss.core.adaptive_stats import underflow_fraction
+from adaloss.core.array_ops import scale_in_float32
+from adaloss.core.scale_steps import branch_scale_step, layer_scale_step, output_scale_step
 
-from ._compat import import_chainer
+from .compat import import_chainer
 from .scale_state import ScaleState
 
 chainer = import_chainer()
@@ -57,7 +57,7 @@ def is_host_one(factor: Any) -> bool:
 
 
 def multiply(g: Any, factor: Any) -> Any:
-    """g times a factor from the core, in float32 (:func:`~adaloss_cli.core.array_ops.scale_in_float32`); a host
+    """g times a factor from the core, in float32 (:func:`~adaloss.core.array_ops.scale_in_float32`); a host
     factor of 1, or None, returns g itself."""
     if factor is None or is_host_one(factor):
         return g
@@ -130,10 +130,10 @@ class _ScaledNode:
         if gy is None:
             return super().backward(indexes, grad_outputs)
         # The low-precision weight computed with, for methods that need its exact values; approx_range reads the
-        # link's parameter, as the PyTorch backend does (see EXACT_WEIGHT_METHODS).
+        # link's parameter, as the PyTorch backend does (see ``AdaptiveRule.exact_weight``).
         options = self.point.state.options
         retained = self.get_retained_inputs()
-        exact = options is not None and options.method in EXACT_WEIGHT_METHODS
+        exact = options is not None and rule_of(options).exact_weight
         factor, weight_factor = self.point.factors(gy.array, retained[1].array if exact else None,
                                                    retained[0].array, self.out_slot)
         if weight_factor is factor:

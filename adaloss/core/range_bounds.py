@@ -116,11 +116,12 @@ def weight_gradient_bound(gy: Any, x_bound: Any, headroom: float = 1.0, u_max: f
     ops = ops_for(gy)
     with ops.quiet():
         top = default_range(gy.dtype)[1] if u_max is None else u_max
-        return ops.from_scalar(_weight_gradient_bound(ops, gy, ops.scalar(x_bound), top * headroom))
+        return ops.from_scalar(weight_gradient_bound_with(ops, gy, ops.scalar(x_bound), top * headroom))
 
 
-def _weight_gradient_bound(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float, peak: Any = None) -> Any:
-    """``peak``: max |gy| when the caller has it already (a ``Peak`` of adaptive.py), else reduced here."""
+def weight_gradient_bound_with(ops: Float32Ops, gy: Any, x_bound: Any, u_max: float, peak: Any = None) -> Any:
+    """:func:`weight_gradient_bound` in the namespace ``ops`` of gy, with ``u_max`` the top of the range already
+    shrunk by the headroom; ``peak``: max |gy| when the caller has it already (a ``Peak`` of adaptive.py)."""
     sops = ops.scalars
     c = sops.const
     g_max = abs_max_value(ops, gy) if peak is None else peak()
@@ -138,10 +139,11 @@ def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0) -
     """
     ops = ops_for(g)
     with ops.quiet():
-        return ops.from_scalar(_output_factor(ops, g, target_dtype, opts, headroom))
+        return ops.from_scalar(output_factor_with(ops, g, target_dtype, opts, headroom))
 
 
-def _output_factor(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float) -> Any:
+def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float) -> Any:
+    """:func:`output_factor` in the namespace ``ops`` of g (the caller is inside ``ops.quiet()``)."""
     sops = ops.scalars
     c = sops.const
     if math.prod(g.shape) == 0:

@@ -28,14 +28,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from adaloss_cli.backends.base import LayerRecord
-from adaloss_cli.config.loader import scaling_config
-from adaloss_cli.config.schema import LossScalingConfig
-from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.policies import ScalePolicy, StepAction, build_policy
+from adaloss.records import LayerRecord
+from adaloss.options import LossScalingConfig, scaling_options
+from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
 from .capture import compiled, install
-from .graph_transform import TransformError
+from adaloss.errors import TransformError
 from .recording import describe_points, layer_records, run_reference_pass
 from .scale_state import ScaleState
 
@@ -109,7 +107,7 @@ class LossScaler:
     def __init__(self, model: nn.Module | None, method: str = "dynamic", *, config: LossScalingConfig | None = None,
                  enabled: bool = True, process_group: Any = None, fused: bool = False, compile: bool = False,
                  **options: Any) -> None:
-        self.config = config if config is not None else scaling_config(method, options)
+        self.config = config if config is not None else scaling_options(method, options)
         self.method = self.config.method
         self.policy: ScalePolicy = build_policy(self.config)
         if model is None and ((self.method == "adaptive" and enabled) or compile):
@@ -124,7 +122,7 @@ class LossScaler:
         self.stepped = False
         if self.method == "adaptive" and self.enabled:
             device = _device_of(model)
-            self.state = ScaleState(AdaptiveOptions.from_config(self.config.adaptive), self.policy.scale, device)
+            self.state = ScaleState(self.config.adaptive, self.policy.scale, device)
             self.state.use_fused_refresh(fused)
             self.state.compile_steps = bool(compile)
             install(model, self.state)

@@ -1,8 +1,8 @@
 """The dynamic loss-scaling presets: each peer's defaults as values of adaloss's one state machine.
 
 Every preset is a full knob dict (the keys of :data:`KNOBS`); a config's `loss_scaling.dynamic` section names a preset
-and overrides any knob it sets explicitly (:func:`resolve_dynamic`). The state machine itself is
-:class:`adaloss_cli.core.policies.DynamicScaling`; its docstring says where each peer's code differs from it.
+and overrides any knob it sets explicitly (``DynamicScalingConfig.resolved``). The state machine itself is
+:class:`adaloss.core.policies.DynamicScaling`; its docstring says where each peer's code differs from it.
 
 Values were read from the peers' own code (their current main branches, and Chainer's last release):
 
@@ -22,20 +22,14 @@ Values were read from the peers' own code (their current main branches, and Chai
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from adaloss_cli.config.schema import DYNAMIC_PRESETS, DynamicScalingConfig
-from adaloss_cli.errors import UserError
+from adaloss.errors import UserError
 
 #: The knobs of the dynamic state machine, in the order of `DynamicScalingConfig`.
 KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale",
          "on_floor", "on_overflow", "max_retries", "grow_every_step_until_overflow", "smooth_growth")
-
-#: The knobs a config can set: all but `smooth_growth`, which is preset-only (Chainer) until the schema grows a field
-#: for it; one added to `DynamicScalingConfig` joins this tuple by itself.
-CONFIG_KNOBS = tuple(k for k in KNOBS if k in {f.name for f in dataclasses.fields(DynamicScalingConfig)})
 
 # Not a knob of any peer but nnabla: how many times a batch may be re-run when a user switches `on_overflow` to
 # retry on another preset. nnabla's `_max_recursive_count`.
@@ -95,7 +89,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {name: MappingProxyType(knobs) for name, knobs in _PRESETS.items()})
 
-assert tuple(PRESETS) == DYNAMIC_PRESETS, "presets and schema.DYNAMIC_PRESETS must name the same peers"
 assert all(tuple(knobs) == KNOBS for knobs in PRESETS.values()), "every preset must set every knob"
 
 
@@ -105,16 +98,6 @@ def preset_knobs(name: str) -> dict[str, Any]:
         raise UserError(f"loss_scaling.dynamic.preset: unknown preset {name!r}. "
                         f"Choose between [{', '.join(PRESETS)}].")
     return dict(PRESETS[name])
-
-
-def resolve_dynamic(cfg: DynamicScalingConfig) -> dict[str, Any]:
-    """The fully resolved knobs of a dynamic config: its preset's values overlaid with every field set (not None).
-
-    Only config keys (:data:`CONFIG_KNOBS`) are returned, so the result can be written back into a config file that
-    loads again and runs the same machine: preset-only knobs follow from `cfg.preset`.
-    """
-    preset = preset_knobs(cfg.preset)
-    return {key: preset[key] if getattr(cfg, key) is None else getattr(cfg, key) for key in CONFIG_KNOBS}
 
 
 def dynamic_problems(knobs: Mapping[str, Any], preset: str | None = None) -> list[str]:

@@ -5,7 +5,7 @@ on a GPU (DESIGN.md 6). Here each captured graph gets *static* copies of its tra
 (``torch.compile``'s default compiler) forward and backward, with no Python per layer:
 
 - steps between refreshes: every factor and accumulated scale is what the last refresh stored
-  (``adaloss_cli.core.scale_schedule``), so the points only multiply by stored numbers. Their static versions
+  (``adaloss.core.scale_schedule``), so the points only multiply by stored numbers. Their static versions
   (this module) read those numbers from one vector input, the *coefficients*, gathered from the scale state once per
   refresh period (a handful of kernels, no host read), so values changing at a refresh never recompile anything;
 - refresh steps: the points' static versions call the core's refresh functions on the traced gradients
@@ -362,7 +362,7 @@ class CompiledSteps:
     def _compile_refresh(self, args: tuple) -> Any:
         from torch._inductor.compile_fx import compile_fx
 
-        from adaloss_cli.core.array_ops import traced_scalars
+        from adaloss.core.array_ops import traced_scalars
 
         from .compiled_refresh import new_trace, refresh_call
 

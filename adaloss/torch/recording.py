@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from adaloss_cli.backends.base import OUTPUT_RECORD, LayerRecord
+from adaloss.records import OUTPUT_RECORD, LayerRecord
 
 from .scale_state import ScaleState
 
@@ -88,6 +88,6 @@ def describe_points(state: ScaleState) -> str:
     if not state.names:
         return "adaptive scaling: scale points are found when the model first runs"
     width = max(len(name) for name in state.names)
-    lines = [f"adaptive scaling ({state.options.method}): {len(state.names)} scale points"]
+    lines = [f"adaptive scaling ({state.options.loss_scale_method}): {len(state.names)} scale points"]
     lines += [f"  {name:<{width}}  {kind:<14} fan {fan}" for name, (kind, fan) in state.kinds.items()]
     return "\n".join(lines)

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from adaloss_cli.core.array_ops import host_view
+from adaloss.core.array_ops import host_view
+from adaloss.errors import DoubleBackwardError
 
 if TYPE_CHECKING:
     from .scale_state import ScaleState
 
-__all__ = ["DOUBLE_BACKWARD", "DoubleBackwardError", "Execution", "GraphPlan", "HostMirror"]
+__all__ = ["DOUBLE_BACKWARD", "Execution", "GraphPlan", "HostMirror"]
 
 DOUBLE_BACKWARD = (
     "adaloss: adaptive loss scaling cannot differentiate through its model twice (a backward with "
@@ -23,10 +24,6 @@ DOUBLE_BACKWARD = (
     "product): its per-layer factors are constants of the first backward, so second-order gradients through them "
     "would be wrong. Give the model you differentiate twice (a WGAN-GP critic) a LossScaler(model, 'dynamic') of "
     "its own, and keep adaptive scaling on the others (the generator)")
-
-
-class DoubleBackwardError(RuntimeError):
-    """A backward with ``create_graph=True`` through an adaptive model (see :data:`DOUBLE_BACKWARD`)."""
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Execution:
     """One forward call of a captured graph: its scale table, and the schedule flags the core steps read.
 
     The flags are fixed when the forward starts (the optimizer step that changes them comes after this execution's
-    backward). :meth:`scale_arrays` is what ``adaloss_cli.core.scale_steps`` reads and writes.
+    backward). :meth:`scale_arrays` is what ``adaloss.core.scale_steps`` reads and writes.
     """
 
     __slots__ = ("state", "plan", "table", "mirror", "options", "adaptive", "refresh", "reuse", "headroom",

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from adaloss_cli.core.adaptive import AdaptiveOptions
-from adaloss_cli.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
-from adaloss_cli.errors import UserError
+from adaloss.options import AdaptiveScalingConfig
+from adaloss.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan
+from adaloss.errors import TransformError
 
-from ._compat import import_chainer
+from .compat import import_chainer
 from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, _BranchNode, _OutputNode,
                            measure_input, scaled_convolution_2d, scaled_linear)
 from .scale_state import ScaleState
@@ -39,11 +39,9 @@ chainer = import_chainer()
 F = chainer.functions
 L = chainer.links
 
-__all__ = ["TransformError", "AdalossLinks", "transform_links", "route", "link_name"]
+__all__ = ["AdalossLinks", "transform_links", "route", "link_name"]
 
 
-class TransformError(UserError):
-    """The model cannot be transformed for adaptive loss scaling; the message names the link and the fix."""
 
 
 def link_name(path: str) -> str:
@@ -147,7 +145,7 @@ class AdalossLinks:
 
     def table_text(self) -> str:
         """The scale points (name, type, fan) and branch points as a text table."""
-        mode = "adaptive " + self.state.options.method if self.state.adaptive else "measure-only"
+        mode = "adaptive " + self.state.options.loss_scale_method if self.state.adaptive else "measure-only"
         lines = [f"adaloss transform ({mode}): {len(self.points)} scale points, {len(self.branches)} branch points",
                  f"  {'scale point':<32} {'type':<8} {'fan':>6}"]
         lines += [f"  {p.name:<32} {p.kind:<8} {p.fan:>6}" for p in self.ordered_points()]
@@ -157,7 +155,7 @@ class AdalossLinks:
         return "\n".join(lines)
 
 
-def transform_links(model: Any, options: AdaptiveOptions | None = None, init_scale: float = 1.0) -> AdalossLinks:
+def transform_links(model: Any, options: AdaptiveScalingConfig | None = None, init_scale: float = 1.0) -> AdalossLinks:
     """Make ``model`` (a Chainer Link, changed in place) carry per-layer loss scales through backward.
 
     ``options`` None makes it measure-only (factors 1; used to measure underflow for the global methods, and to run
