@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch is pinned first: an unpinned torch would pull the newest CUDA build (gigabytes); see DESIGN.md section 5.
+# torch is pinned first: an unpinned torch would pull the newest CUDA build (gigabytes); see docs/architecture.md 7.
 TORCH  := torch==2.13.0
 
 .PHONY: demo test check-wheel install install-chainer install-test bench clean

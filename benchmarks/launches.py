@@ -10,8 +10,7 @@ tensors under ``torch.profiler``, and
   metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes before it runs
   (of an elementwise operation's operand of another dtype, of a 0-d operand such as a Python number) are left out
   of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). Code Inductor compiled (the
-  fused variant ``adaptive-1-fused``, ``LossScaler(fused=True)``; the ``-compiled`` variants, counted when asked
-  for) adds each generated kernel it runs, as one launch: they are compiled with ``cpp.enable_kernel_profile``, so
+  ``-compiled`` variants, counted when asked for) adds each generated kernel it runs, as one launch: they are compiled with ``cpp.enable_kernel_profile``, so
   the profiler names every C++ kernel run (``..._cpp_fused_...``), where CUDA would run one Triton kernel per fused
   group. The extern kernels a compiled graph calls (GEMM, convolution) are ATen operations, counted as such;
 - ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
@@ -45,8 +44,6 @@ _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "whe
                           "ne", "pow", "logical_and", "logical_or", "bitwise_and", "bitwise_or"})
 #: How the profiler names a C++ kernel Inductor generated, compiled with ``cpp.enable_kernel_profile``.
 _GENERATED_KERNEL = "_cpp_fused_"
-#: The extra variant this module adds: adaptive-1 with the compiled (fused) refresh.
-FUSED = "adaptive-1-fused"
 
 
 def count_step(step: Any) -> dict[str, Any]:
@@ -95,7 +92,7 @@ def _cpu_only(event: Any) -> bool:
 
 
 def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, Any]]:
-    """Per eager or compiled variant (plus the fused adaptive-1), the counts of one step after four warm-up steps.
+    """Per eager or compiled variant, the counts of one step after four warm-up steps.
     (A captured step is one graph launch: the graph variants are counted on a GPU only.)"""
     import torch
 
@@ -108,8 +105,8 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     # compiled model would run the kernels compiled for the timing, unprofiled, and its own would go uncounted.
     torch._dynamo.reset()
     with device_scalars(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
-        for name in list(variants) + [FUSED]:
-            runner = Runner(name.replace("-fused", ""), copy.deepcopy(initial), dtype, "cpu", fused=name == FUSED)
+        for name in variants:
+            runner = Runner(name, copy.deepcopy(initial), dtype, "cpu")
             for k in range(4):  # the model's own capture, then (compiled) steps of each kind
                 runner.step(*batches[k % len(batches)])
             results[name] = count_step(lambda: runner.step(*batches[0]))

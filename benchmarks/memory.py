@@ -135,14 +135,14 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
         # Load every kernel and library this variant uses (code pages, thread pools, one-time initialisation) on a
         # two-example batch first, so that the measurement below counts the variant, not process start-up.
         small = [(x[:2], y[:2]) for x, y in batches[:2]]
-        warm = Runner(variant, initial, spec["dtype"], device, fused=spec.get("fused", False))
+        warm = Runner(variant, initial, spec["dtype"], device)
         for x, y in small:
             warm.step(x, y)
         del warm, small
     gc.collect()
 
     def run() -> None:
-        runner = Runner(variant, initial, spec["dtype"], device, fused=spec.get("fused", False))
+        runner = Runner(variant, initial, spec["dtype"], device)
         for k in range(work.memory_steps):
             runner.step(*batches[k % len(batches)])
 

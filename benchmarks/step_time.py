@@ -243,9 +243,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "default each probe runs the variant on a 2-example batch before its baseline")
     parser.add_argument("--memory-jobs", type=int, default=None,
                         help="memory subprocesses at a time (default: CPU count on cpu, 1 on cuda)")
-    parser.add_argument("--fused", action="store_true",
-                        help="adaptive variants run the compiled (torch.compile) refresh, LossScaler(fused=True), "
-                             "instead of the plain device path")
     parser.add_argument("--launches", action="store_true",
                         help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
                              "tensors (compiled variants: each kernel Inductor generated counts as one), and on cpu "
@@ -296,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)
     print(f"adaloss step-time benchmark: torch {env['torch']}, {args.device}"
           f"{' (' + env['gpu'] + ')' if 'gpu' in env else ''}, {env['threads']} threads, {env['cpus']} CPUs"
-          f"{', ' + env['cpu'] if env.get('cpu') else ''}; compute {args.dtype}, fp32 master weights; adaptive "
-          f"refresh {'compiled (--fused)' if args.fused else 'on the plain device path'}")
+          f"{', ' + env['cpu'] if env.get('cpu') else ''}; compute {args.dtype}, fp32 master weights")
     if env.get("source"):
         print(f"source: {env['source']}")
     if "loadavg_start" in env:
@@ -309,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     measures = (TENSORS,) if kind == "cuda" else (TENSORS, RSS)
     probes = {(model, variant, measure): {"workload": asdict(work), "variant": variant, "device": args.device,
                                           "dtype": args.dtype, "threads": args.threads, "measure": measure,
-                                          "prewarm": not args.memory_cold, "fused": args.fused}
+                                          "prewarm": not args.memory_cold}
               for model, work in works.items() for variant in args.variants for measure in measures
               if variant not in COMPILED_VARIANTS}  # (each probe process would compile again; not a goal)
     memory_all = {} if args.no_memory else measure_memory(probes, jobs)
@@ -319,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             if m == model_name:
                 memory.setdefault(variant, {})[measure] = result
         initial, batches = build_initial(work, args.device)
-        runners = {name: Runner(name, initial, args.dtype, args.device, fused=args.fused) for name in args.variants}
+        runners = {name: Runner(name, initial, args.dtype, args.device) for name in args.variants}
         times = time_variants(runners, batches, work, args.device)
         timing = summarise_times(times)
         runs = {name: runner.summary() for name, runner in runners.items()}

@@ -87,8 +87,7 @@ def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace 
 class Runner:
     """One variant's model copy, optimizer and scaler, and its training step."""
 
-    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01,
-                 fused: bool = False) -> None:
+    def __init__(self, variant: str, initial: Any, dtype: str, device: str, lr: float = 0.01) -> None:
         import torch
         from adaloss.torch.precision import MixedPrecisionForward
         from adaloss.torch.scaler import LossScaler
@@ -104,7 +103,7 @@ class Runner:
             self.scaler = LossScaler(self.model, "dynamic")
         elif variant.startswith("adaptive-"):
             self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=refresh_period(variant),
-                                     fused=fused, compile=compiled)
+                                     compile=compiled)
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()
@@ -114,7 +113,7 @@ class Runner:
         self._cross_entropy = torch.nn.functional.cross_entropy
         self.graphed = None
         if graphed:
-            from adaloss.torch.graphs import GraphedStep
+            from adaloss.torch.modes.cuda_graph import GraphedStep
             self.graphed = GraphedStep(self.scaler, self.optimizer, self.loss)
 
     def loss(self, x: Any, y: Any) -> Any:
@@ -141,8 +140,8 @@ class Runner:
         if policy is not None:
             info["skipped_steps"] = int(policy.skipped_steps)
         state = getattr(self.scaler, "state", None)
-        if state is not None and state.compile_steps:  # 0 would mean every step ran eagerly (a compiler failure)
-            info["compiled_steps"] = state.compiled_steps
+        if state is not None and state.mode.name == "compiled":  # 0: every step ran eagerly (a compiler failure)
+            info["compiled_steps"] = state.mode.steps
         return info
 
 

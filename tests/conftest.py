@@ -82,7 +82,7 @@ def scalar_path(request):
 
 @pytest.fixture
 def golden_layer():
-    """DESIGN.md 2.2's golden layer in fp16: gy ~ N(0, 1e-4) (batch 32, 64 outputs), W ~ N(0, 0.05) (64 x 128)."""
+    """docs/algorithm.md 2.2's golden layer in fp16: gy ~ N(0, 1e-4) (batch 32, 64 outputs), W ~ N(0, 0.05) (64 x 128)."""
     np.random.seed(0)
     gy = np.random.normal(0, 1e-4, (32, 64)).astype(np.float16)   # (batch, out_features)
     w = np.random.normal(0, 0.05, (64, 128)).astype(np.float16)   # (out_features, in_features)

@@ -1,4 +1,4 @@
-"""The framework-free adaptive factor math: golden values of DESIGN.md 2.2, on NumPy and torch, with no host reads.
+"""The framework-free adaptive factor math: golden values of docs/algorithm.md 2.2, on NumPy and torch, with no host reads.
 
 Here: the scalar helpers (underflow k, default ranges, fans, options), the golden values, no host reads on torch's
 device path, and the golden values on CUDA and CuPy; also the backend helpers the other test_adaptive_core* files
@@ -97,7 +97,7 @@ def test_options_validate_and_are_the_config_schemas():
             AdaptiveScalingConfig(**bad)
 
 
-# --- golden values (DESIGN.md 2.2) ---------------------------------------------------------------------------------
+# --- golden values (docs/algorithm.md 2.2) ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_approx_range_golden(backend, golden_layer):

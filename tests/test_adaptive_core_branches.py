@@ -1,4 +1,4 @@
-"""The framework-free adaptive factor math, branches and underflow: DESIGN.md 2.3's common scale of a branch's
+"""The framework-free adaptive factor math, branches and underflow: docs/algorithm.md 2.3's common scale of a branch's
 incoming scales (and the fewest halvings when none fits), and the underflow fraction, on NumPy and torch."""
 
 from __future__ import annotations

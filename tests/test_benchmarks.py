@@ -28,15 +28,11 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     timing = results["timing"]
     assert timing["gradscaler"]["ratio"] == 1.0 and timing["adaptive-1"]["ratio"] > 0
     # The GPU-cost proxy: every variant reads the device once per step, the skip decision (adaloss reads its flag,
-    # the loss and, after a refresh, the factors in one transfer); the compiled refresh launches fewer kernels than
-    # the eager one.
+    # the loss and, after a refresh, the factors in one transfer); steps between refreshes launch fewer kernels.
     launches = results["launches"]
-    assert all(launches[v]["host_reads"] == 1 for v in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100",
-                                                         "adaptive-1-fused"))
+    assert all(launches[v]["host_reads"] == 1 for v in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100"))
     assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
-    assert launches["adaptive-1-fused"]["launches"] < launches["adaptive-1"]["launches"]
-    # Compiled code is counted kernel by kernel: each one Inductor generated and ran is named by the profiler.
-    assert launches["adaptive-1-fused"]["generated"] > 0 and launches["adaptive-1"]["generated"] == 0
+    assert launches["adaptive-1"]["generated"] == 0  # eager: no kernel of Inductor's
     assert "operations per step on the CUDA code path" in done.stdout
     # The host-time proxy: every eager variant timed against GradScaler on the device path.
     host = results["host_ms"]
@@ -75,7 +71,7 @@ def test_compiled_variants_build_compiled_scalers_and_report_their_compiled_step
 
     initial, _ = build_initial(workload_for("mlp", "cpu", True), "cpu")
     adaptive = Runner("adaptive-100-compiled", initial, "float16", "cpu")
-    assert adaptive.scaler.state.compile_steps and adaptive.scaler.state.options.update_per_n_iteration == 100
+    assert adaptive.scaler.state.mode.name == "compiled" and adaptive.scaler.state.options.update_per_n_iteration == 100
     assert adaptive.summary()["compiled_steps"] == 0  # printed as a note, so an eager fallback shows
     reference = Runner("gradscaler-compiled", initial, "float16", "cpu")
     assert isinstance(reference.scaler, torch.amp.GradScaler) and reference.model._compiled_call_impl is not None

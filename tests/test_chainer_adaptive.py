@@ -1,4 +1,4 @@
-"""Adaptive per-layer loss scaling on Chainer: the invariants of DESIGN.md section 3, as on PyTorch.
+"""Adaptive per-layer loss scaling on Chainer: the invariants of docs/architecture.md 3, as on PyTorch.
 
 1. parameter gradients equal plain Chainer backprop (float32/float64, every loss_scale_method, MLP/CNN/ResNet-20);
 2. factors are powers of two and respect the bounds;
@@ -209,7 +209,7 @@ def test_fp16_adaptive_loses_far_fewer_gradients_than_no_scaling_and_never_overf
     assert mean <= mean_limit and worst <= worst_limit, (mean, worst)
 
 
-# --- DESIGN.md 2.2 bound golden values through a scale point -----------------------------------------------------
+# --- docs/algorithm.md 2.2 bound golden values through a scale point -----------------------------------------------------
 
 @pytest.mark.parametrize("incoming, factor", [(512.0, 1.0), (4096.0, 0.25)])
 def test_bound_golden_values_through_a_scale_point(incoming, factor):

@@ -1,5 +1,5 @@
 """Adaptive per-layer loss scaling on Chainer, the transform's edges: branches with very different incoming scales
-brought to DESIGN.md 2.3's common scale, the refusals (fan-out without a Fork, unhandled links, raw parameters, a link
+brought to docs/algorithm.md 2.3's common scale, the refusals (fan-out without a Fork, unhandled links, raw parameters, a link
 called twice, subclasses, a second transform), the table of scale points, the documented library example, a lazy
 import, and factors beyond fp16's range applied in float32."""
 
@@ -43,7 +43,7 @@ class DeepAndShortcut(chainer.Chain):
 
 
 def _branch_rule(scales: list[float], m: float, u_max: float) -> float:
-    """DESIGN.md 2.3, written out plainly."""
+    """docs/algorithm.md 2.3, written out plainly."""
     fitting = [a for a in scales if m * a < u_max]
     if fitting:
         return max(fitting)

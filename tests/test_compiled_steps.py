@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from adaloss.torch.scaler import LossScaler  # noqa: E402
+from adaloss.torch.modes.eager import EagerMode  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 
 from conftest import write_config  # noqa: E402
@@ -155,13 +156,13 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         # The input requires a gradient, which leaves through the input point at the loss's scale.
         x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device).requires_grad_()
         y = torch.randint(0, 10, (8,), generator=gen).to(device)
-        refresh, reuse, before = state.refresh, state.reuse, state.compiled_steps
+        refresh, reuse, before = state.refresh, state.reuse, state.mode.steps
         with _reads_forbidden(device) if forbid_reads and step >= period else nullcontext():
             compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
         state.settle()
         # Compiled exactly on refresh steps and steps between refreshes (after an overflow's back-off a step only
         # recomputes its bounds, eagerly).
-        assert state.compiled_steps == before + (refresh or reuse)
+        assert state.mode.steps == before + (refresh or reuse)
         if not (refresh or reuse):
             scaler.step(optimizer)
             scaler.update()
@@ -169,14 +170,14 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         if reuse:
             # In float32 stale coefficients would still give the true gradients (factors and scales cancel), so
             # the applied vector is checked against the state itself.
-            for graph in (g for g in state.compiled_graphs if g.layout is not None):
+            for graph in (g for g in state.mode.graphs if g.layout is not None):
                 _check_coefficients(state, graph)
             factors_seen.append(state.arrays["factor"][:len(state.names)].clone())
         stored = _stored(state)
         state._active = []
-        state.compile_steps = False
+        compiled_mode, state.mode = state.mode, EagerMode()
         eager = _gradients(model, scaler, x, y, autocast_dtype, pure)
-        state.compile_steps = True
+        state.mode = compiled_mode
         # A parameter the loss does not reach gets no gradient eagerly, and a zero one from the compiled backward
         # (which, as torch.compile's, takes zeros for the gradient of an unused output).
         assert eager.keys() <= compiled.keys() and "input" in eager
@@ -245,7 +246,7 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
     messages = [str(w.message) for w in caught if "adaloss: compiling the" in str(w.message)]
     assert len(messages) == 2 and all("no C++ compiler" in m for m in messages)  # once per kind of step
     assert "refresh steps failed" in messages[0] and "between-refresh steps failed" in messages[1]
-    assert scaler.state.compiled_steps == 0
+    assert scaler.state.mode.steps == 0
 
 
 def test_compile_for_other_methods_compiles_the_model_in_place():
@@ -259,7 +260,7 @@ def test_compile_for_other_methods_compiles_the_model_in_place():
 
 
 def test_cuda_graphs_of_compiled_steps_are_refused():
-    from adaloss.torch.graphs import GraphedStep
+    from adaloss.torch.modes.cuda_graph import GraphedStep
 
     model = _Net()
     scaler = LossScaler(model, "adaptive", compile=True)

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from adaloss.torch import graphs  # noqa: E402
-from adaloss.torch.graphs import GraphedStep, graph_safe_optimizer  # noqa: E402
+from adaloss.torch.modes import cuda_graph as graphs  # noqa: E402
+from adaloss.torch.modes.cuda_graph import GraphedStep, graph_safe_optimizer  # noqa: E402
 from adaloss_cli.backends.torch.models import CifarResNet  # noqa: E402
 from adaloss.torch.scaler import LossScaler  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402

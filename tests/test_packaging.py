@@ -68,7 +68,7 @@ def test_adaloss_torch_defines_the_library_and_the_old_path_is_a_deprecated_alia
 
     assert adaloss.torch.LossScaler.__module__ == "adaloss.torch.scaler"  # defined there, not re-exported
     for name in ("GraphedStep", "LossScaler", "MixedPrecisionForward", "TransformError"):
-        with pytest.warns(DeprecationWarning, match=f"import it from adaloss.torch"):
+        with pytest.warns(DeprecationWarning, match="import it from adaloss.torch"):
             assert getattr(backend, name) is getattr(adaloss.torch, name), name
 
 

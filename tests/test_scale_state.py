@@ -61,11 +61,6 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone():
     assert all(torch.equal(snapshot["caches"][name], value) for name, value in caches.items())
 
 
-def test_the_fused_refresh_is_off_unless_asked_for_and_stays_with_a_moved_state():
-    state = LossScaler(MLP(16, [8], 3), "adaptive").state
-    assert state.fused_refresh is None  # the plain refresh, on every device (see ScaleState.use_fused_refresh)
-    state.to("meta")
-    assert state.fused_refresh is None
-    chosen = LossScaler(MLP(16, [8], 3), "adaptive", fused=True).state
-    chosen.to("meta")
-    assert chosen.fused_refresh is not None  # a choice made by the user stays
+def test_the_retired_fused_refresh_is_refused_with_what_replaced_it():
+    with pytest.raises(TypeError, match="fused=...\\) was retired.*compile=True"):
+        LossScaler(MLP(16, [8], 3), "adaptive", fused=True)

@@ -1,4 +1,4 @@
-"""Importing Chainer 7.8.1 in a modern environment, with no manual step for the user (DESIGN.md section 5).
+"""Importing Chainer 7.8.1 in a modern environment, with no manual step for the user (docs/architecture.md 7).
 
 ``import chainer`` runs ``import numpy.distutils.system_info``, which needs ``distutils.msvccompiler``. setuptools
 installs a ``distutils`` shim that replaces the standard library's distutils and has no such module, so the import

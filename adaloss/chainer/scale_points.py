@@ -1,7 +1,7 @@
 """Run-time pieces of adaptive loss scaling in Chainer: scale points, branch and output points (the scale table
 they read and write is ``scale_state.ScaleState``).
 
-The invariant and the roles are those of ``adaloss/torch/points.py`` (DESIGN.md 2.1-2.3): every activation
+The invariant and the roles are those of ``adaloss/torch/points.py`` (docs/algorithm.md 2.1-2.3): every activation
 gradient carries an accumulated scale A, held in a small float32 table on the model's device (NumPy or CuPy), one
 slot per gradient edge whose scale a node sets. The pieces here are Chainer ``FunctionNode``s made afresh in every
 forward; the persistent per-layer objects (:class:`ScalePoint`, :class:`BranchPoint`, :class:`OutputPoint`) own the
@@ -14,9 +14,9 @@ which slot its incoming gradient's scale is in. At run time nodes only index the
   the layer's weight slot, by which the scaler divides them).
 - ``_MeasureNode`` precedes it on recorded steps only: it measures how many elements of gx are zero where the same
   backward in float32, unscaled, gave a non-zero value.
-- ``_BranchNode`` is what a bound :class:`Fork` applies: each consumer gets its own output, and their gradients are
-  brought to a common scale (DESIGN.md 2.3) before they are summed.
-- ``_OutputNode`` sits at the model output: it casts the low-precision output to float32 for the loss, and in
+- ``BranchNode`` is what a bound :class:`Fork` applies: each consumer gets its own output, and their gradients are
+  brought to a common scale (docs/algorithm.md 2.3) before they are summed.
+- ``OutputNode`` sits at the model output: it casts the low-precision output to float32 for the loss, and in
   backward gives the float32 loss gradient a factor of its own before casting it back (``output_factor``). The
   layers' accumulated cap counts from this scale (the *origin*).
 """
@@ -40,7 +40,7 @@ chainer = import_chainer()
 from chainer.functions.connection.convolution_2d import Convolution2DFunction  # noqa: E402
 from chainer.functions.connection.linear import LinearFunction  # noqa: E402
 
-__all__ = ["ScalePoint", "BranchPoint", "OutputPoint", "Fork"]
+__all__ = ["BranchNode", "BranchPoint", "Fork", "OutputNode", "OutputPoint", "ScalePoint"]
 
 
 def _variable(array: Any) -> "chainer.Variable":
@@ -210,7 +210,7 @@ class BranchPoint:
         self.state, self.index, self.name, self.fan_out, self.in_slot = state, index, name, fan_out, in_slot
 
     def merge(self, grads: list, out_slots: list) -> Any:
-        """Sum the incoming gradients at a common scale (DESIGN.md 2.3); write that scale to the input slot."""
+        """Sum the incoming gradients at a common scale (docs/algorithm.md 2.3); write that scale to the input slot."""
         state = self.state
         present = [(g, slot) for g, slot in zip(grads, out_slots) if g is not None]
         if not present:
@@ -235,7 +235,7 @@ def _sum(arrays: list) -> Any:
     return total
 
 
-class _BranchNode(chainer.FunctionNode):
+class BranchNode(chainer.FunctionNode):
     """Forward: one output per consumer. Backward: their gradients brought to one scale and summed."""
 
     def __init__(self, point: BranchPoint) -> None:
@@ -259,7 +259,7 @@ class Fork(chainer.Link):
 
     Unbound (plain Chainer) it returns ``consumers`` references to x. Bound by ``transform_links`` to adaptive loss
     scaling, the consumers' gradients, which may carry different accumulated scales, are brought to one common scale
-    before they are summed (DESIGN.md 2.3). A value used twice without a Fork is refused by the routing.
+    before they are summed (docs/algorithm.md 2.3). A value used twice without a Fork is refused by the routing.
     """
 
     def __init__(self, consumers: int = 2) -> None:
@@ -273,7 +273,7 @@ class Fork(chainer.Link):
         point = self.adaloss_point
         if point is None or not point.state.adaptive or not chainer.config.enable_backprop:
             return (x,) * self.consumers
-        return _BranchNode(point).apply((x,))
+        return BranchNode(point).apply((x,))
 
 
 class OutputPoint:
@@ -296,7 +296,7 @@ class OutputPoint:
         return cast
 
 
-class _OutputNode(chainer.FunctionNode):
+class OutputNode(chainer.FunctionNode):
     """Forward: a float16 model output as float32 (others unchanged). Backward: the loss gradient scaled, then
     cast back."""
 
@@ -320,4 +320,4 @@ class _OutputNode(chainer.FunctionNode):
 def output_point(point: OutputPoint, y: "chainer.Variable") -> "chainer.Variable":
     """The model output through the output point (float32)."""
     point.state.output_used = True
-    return _OutputNode(point).apply((y,))[0]
+    return OutputNode(point).apply((y,))[0]

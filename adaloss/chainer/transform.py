@@ -31,7 +31,7 @@ from adaloss.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear
 from adaloss.errors import TransformError
 
 from .compat import import_chainer
-from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, _BranchNode, _OutputNode,
+from .scale_points import (SCALE_NODES, BranchPoint, Fork, OutputPoint, ScalePoint, BranchNode, OutputNode,
                            measure_input, scaled_convolution_2d, scaled_linear)
 from .scale_state import ScaleState
 
@@ -221,7 +221,7 @@ def _producer(vnode: Any) -> str:
         return "the model input"
     if isinstance(creator, SCALE_NODES):
         return f"layer '{creator.point.name}'"
-    if isinstance(creator, _BranchNode):
+    if isinstance(creator, BranchNode):
         return f"Fork '{creator.point.name}'"
     return f"function {creator.label}"
 
@@ -256,10 +256,10 @@ def route(links: AdalossLinks, loss: "chainer.Variable") -> dict[int, int]:
             in_slot = fn.point.in_slot
             # The weight and bias gradients are computed at the layer's weight-gradient scale.
             input_slots = [in_slot] + [fn.point.weight_slot] * (len(fn.inputs) - 1)
-        elif isinstance(fn, _BranchNode):
+        elif isinstance(fn, BranchNode):
             fn.out_slots = out_slots
             in_slot = fn.point.in_slot
-        elif isinstance(fn, _OutputNode):
+        elif isinstance(fn, OutputNode):
             fn.out_slot = out_slots[0] if out_slots[0] is not None else 0
             in_slot = fn.point.in_slot
         else:

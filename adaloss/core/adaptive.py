@@ -1,4 +1,4 @@
-"""The adaptive per-layer loss-scaling factor and the branch rule (DESIGN.md 2.2, 2.3), computed on the device.
+"""The adaptive per-layer loss-scaling factor and the branch rule (docs/algorithm.md 2.2, 2.3), computed on the device.
 
 A scale point receives gy (stored with accumulated scale A) and its weight W, and computes
 
@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, default_range, element_wise_extremes_from,
-                             l2_norm, norm_and_abs_max, per_index_extremes, underflow_k)
+from .adaptive_stats import (abs_extremes, abs_max_value, default_axes, element_wise_extremes_from,
+                             l2_norm, norm_and_abs_max, per_index_extremes)
 from .array_ops import Float32Ops, ops_for
 from .branches import branch_common_scale
 from .range_bounds import abs_sum_max, measured_lift, output_factor, weight_gradient_bound

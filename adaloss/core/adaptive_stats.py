@@ -1,4 +1,4 @@
-"""Device-side statistics behind the adaptive per-layer loss-scaling factor (DESIGN.md 2.2).
+"""Device-side statistics behind the adaptive per-layer loss-scaling factor (docs/algorithm.md 2.2).
 
 Everything here is written once against an array namespace (``array_api_compat``, through
 :class:`~.array_ops.Float32Ops`), so the same code runs on NumPy and CuPy arrays (Chainer) and on torch tensors (CPU

@@ -1,4 +1,4 @@
-"""The common scale of gradients that meet at a branch (DESIGN.md 2.3), written once against the array namespace like
+"""The common scale of gradients that meet at a branch (docs/algorithm.md 2.3), written once against the array namespace like
 the per-layer factor in ``adaptive.py``: a residual connection or a value read by several layers sums gradients
 that arrive with different accumulated scales, so each is first brought to one scale that none of them overflows.
 """
@@ -15,7 +15,7 @@ __all__ = ["branch_common_scale"]
 
 
 def branch_common_scale(grads: Sequence[Any], scales: Sequence[Any], u_max: float) -> tuple[Any, list]:
-    """The common scale of gradients meeting at a branch, and each one's multiplier common / A_i (DESIGN 2.3).
+    """The common scale of gradients meeting at a branch, and each one's multiplier common / A_i (docs/algorithm.md 2.3).
 
     With m = max_i(max|g_i| / A_i) (the largest true magnitude), common is the largest A_j with m * A_j < u_max;
     if none fits, the smallest A_i halved the fewest times that makes it fit. All-zero gradients give the largest

@@ -12,7 +12,7 @@ the outgoing scale, and returns the multipliers the backend applies. Nothing rea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,8 +28,8 @@ __all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refres
 
 
 def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
-                     axes: tuple[int, int] | None = None, x_bound: Any = None, x_axis: int = -1,
-                     refresh: Callable[..., tuple] | None = None) -> tuple[Any, Any, Any] | None:
+                     axes: tuple[int, int] | None = None, x_bound: Any = None,
+                     x_axis: int = -1) -> tuple[Any, Any, Any] | None:
     """One scale point's backward bookkeeping: returns (s, s_w, A_w), or None in measure-only mode (where the
     scale passes through unchanged and the layer's gradients are left as they are).
 
@@ -37,9 +37,8 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     multiplies gy for the weight (and bias) gradient, which then carries A_w = A * s_w: the backend divides it by
     A_w. On refresh iterations the statistics come from gy, ``weight`` (the layer's weight or its
     :func:`~.adaptive.weight_statistics`) and ``x_bound`` (the layer input, whose feature axis is ``x_axis``, or
-    its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_layer`
-    or ``refresh``, a drop-in replacement of it (a compiled one, whose reads, statistics, factor math and writes
-    run as a few fused kernels). All values are 0-d device arrays, or float32 scalars for arrays in host memory.
+    its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_layer`.
+    All values are 0-d device arrays, or float32 scalars for arrays in host memory.
     """
     arrays = state.scale_arrays()
     table, unbound, factors, weight_unbound, weight_factors, weight_scales = arrays
@@ -49,7 +48,7 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        return (refresh or refresh_layer)(*arrays, gy, weight, x_bound, index=index, in_slot=in_slot,
+        return refresh_layer(*arrays, gy, weight, x_bound, index=index, in_slot=in_slot,
                                           out_slot=out_slot, origin_slot=state.origin_slot, fan=fan, axes=axes,
                                           x_axis=x_axis, options=state.options, headroom=state.headroom)
     accum = table[out_slot]
@@ -64,8 +63,7 @@ def refresh_layer(table: Any, unbound: Any, factors: Any, weight_unbound: Any, w
                   weight_scales: Any, gy: Any, weight: Any, x_bound: Any, *, index: int, in_slot: int,
                   out_slot: int, origin_slot: int, **kwargs: Any) -> tuple[Any, Any, Any]:
     """A refresh of scale point ``index``: reads its scales from the table, computes :func:`refresh_factors` and
-    writes the results to the arrays; returns (s, s_w, A_w). One function, so that a compiled version of it fuses
-    the reads and writes into the kernels of the factor math."""
+    writes the results to the arrays; returns (s, s_w, A_w)."""
     values = refresh_factors(gy, weight, x_bound, table[out_slot], table[origin_slot], **kwargs)
     unbound[index], weight_unbound[index] = values[0], values[1]
     return _store((table, unbound, factors, weight_unbound, weight_factors, weight_scales), index, in_slot, values)
@@ -122,14 +120,14 @@ def _weight_factor(sops: Any, factor: Any, bound: Any, ceiling: Any, opts: Any) 
     return sops.floor_power_of_two(bound) if opts.power_of_two else bound
 
 
-def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int], cache: Any,
-                      refresh: Callable[..., list] | None = None) -> list | None:
+def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Sequence[int],
+                      cache: Any) -> list | None:
     """A branch or join point's backward bookkeeping: the multiplier of each incoming gradient (None: leave them as
     they are) and the common scale written to ``in_slot``. ``cache`` (a 0-d float32 array) keeps the common scale
     between refreshes: with the factors reused, the incoming scales are the same as then. On refresh iterations
-    the common scale comes from :func:`refresh_branch`, or ``refresh``, a drop-in (compiled) replacement of it.
+    the common scale comes from :func:`refresh_branch`.
 
-    The common scale keeps every rescaled gradient below h * u_max (DESIGN.md 2.3); for max_range below
+    The common scale keeps every rescaled gradient below h * u_max (docs/algorithm.md 2.3); for max_range below
     h * u_max / k for k gradients, so that their sum cannot overflow either.
     """
     table = state.scale_arrays()[0]
@@ -145,7 +143,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
         limit = opts.range_for(grads[0].dtype)[1] * state.headroom
         if rule_of(opts).shares_branch_range:
             limit /= len(grads)
-        multipliers = (refresh or refresh_branch)(list(grads), scales, cache, limit=limit)
+        multipliers = refresh_branch(list(grads), scales, cache, limit=limit)
     else:
         multipliers = [cache / a for a in scales]
     table[in_slot] = cache
@@ -154,8 +152,7 @@ def branch_scale_step(state: Any, in_slot: int, grads: Sequence[Any], slots: Seq
 
 def refresh_branch(grads: list, scales: list, cache: Any, *, limit: float) -> list:
     """A branch or join point's refresh: the common scale of ``grads`` (at ``scales``) that keeps each of them
-    below ``limit``, written to ``cache``; returns each gradient's multiplier. A pure function apart from that
-    write, so that a backend may compile it as it is."""
+    below ``limit``, written to ``cache``; returns each gradient's multiplier."""
     ops = ops_for(grads[0])
     with ops.quiet():
         common, multipliers = branch_common_scale_with(ops, grads, scales, limit)
@@ -163,11 +160,9 @@ def refresh_branch(grads: list, scales: list, cache: Any, *, limit: float) -> li
     return multipliers
 
 
-def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any,
-                      refresh: Callable[..., None] | None = None) -> Any:
+def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
     """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
-    statistics into ``cache`` (a 0-d float32 array) by :func:`refresh_output` or ``refresh`` (a drop-in compiled
-    replacement), and A * s written to ``in_slot``."""
+    statistics into ``cache`` (a 0-d float32 array) by :func:`refresh_output`, and A * s written to ``in_slot``."""
     if state.reuse:
         return cache
     table = state.scale_arrays()[0]
@@ -175,7 +170,7 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        (refresh or refresh_output)(g, cache, target_dtype=target_dtype, options=state.options,
+        refresh_output(g, cache, target_dtype=target_dtype, options=state.options,
                                     headroom=state.headroom)
     table[in_slot] = table[out_slot] * cache
     return cache

@@ -57,12 +57,7 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
         first = next(model.parameters(), None)
         if first is not None:
             state.to(first.device)
-        transformed = transform_graph(gm, example_inputs, state, names, buffers)
-        if state.compile_steps:
-            from .compiled_steps import CompiledSteps  # imports Inductor's machinery only when asked for
-
-            return CompiledSteps(transformed, state)
-        return transformed.forward
+        return state.mode.wrap(transform_graph(gm, example_inputs, state, names, buffers), state)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         # A frame of ours for Dynamo to start from: it inlines the module call from here, also for torch.nn's own
@@ -73,7 +68,7 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
     # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code would
     # need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed batches.
     function = torch.compile(_own_code(run), backend=backend, fullgraph=True,
-                             dynamic=False if state.compile_steps else None)
+                             dynamic=False if state.mode.name == "compiled" else None)
     label = type(model).__name__
 
     @functools.wraps(model._call_impl)

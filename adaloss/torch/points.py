@@ -28,10 +28,12 @@ from adaloss.core.scale_steps import layer_scale_step
 from .scale_ops import divide_to, multiply, same_factor
 from .scale_state import Execution, ScaleState
 
-__all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint"]
+__all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint", "autocast_off", "cast_operand"]
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+def cast_operand(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A floating operand in the compute dtype, as autocast would cast it (None, a non-floating tensor or no dtype:
+    as it is)."""
     if t is None or dtype is None or not t.is_floating_point() or t.dtype == dtype:
         return t
     return t.to(dtype)
@@ -42,7 +44,7 @@ def _accumulation(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _no_autocast(device_type: str) -> Any:
+def autocast_off(device_type: str) -> Any:
     """Our own casts replace autocast's inside a scale point (so the float32 parameter is what autograd sees)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
@@ -54,8 +56,8 @@ class _ScalePointFunction(torch.autograd.Function):
     def forward(ctx, point: "ScalePoint", execution: Execution, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         dtype = execution.compute_dtype
-        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
-        with _no_autocast(x.device.type):
+        xc, wc, bc = cast_operand(x, dtype), cast_operand(weight, dtype), cast_operand(bias, dtype)
+        with autocast_off(x.device.type):
             y = point.compute(xc, wc, bc)
         needs_x, needs_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         keep_x = needs_w or (needs_x and point.needs_input_for_input_grad)
@@ -71,7 +73,7 @@ class _ScalePointFunction(torch.autograd.Function):
         point, execution = ctx.point, ctx.execution
         xc, wc, master = ctx.saved_tensors
         needs_x, needs_w, needs_b = ctx.needs_input_grad[2:5]
-        with _no_autocast(gy.device.type):
+        with autocast_off(gy.device.type):
             grads = point.backward(execution, gy, xc, wc, master, ctx.shapes, needs_x, needs_w, needs_b)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         gx, gw, gb = grads
@@ -102,8 +104,8 @@ class ScalePoint(nn.Module):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             return _ScalePointFunction.apply(self, execution, x, weight, bias)
         dtype = execution.compute_dtype
-        with _no_autocast(x.device.type):
-            return self.compute(_cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype))
+        with autocast_off(x.device.type):
+            return self.compute(cast_operand(x, dtype), cast_operand(weight, dtype), cast_operand(bias, dtype))
 
     def backward(self, execution: Execution, gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
                  master: torch.Tensor, shapes: tuple, needs_x: bool, needs_w: bool, needs_b: bool) -> tuple:
@@ -148,9 +150,8 @@ class ScalePoint(nn.Module):
             weight = w if (w is not None and rule_of(options).exact_weight) else master.detach()
             if needs_w and options.exact_bounds:
                 x_input = x.detach()  # a saved input may require grad: one compiled refresh serves both
-        fused = self.state.refresh_functions()
         return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
-                                self.axes, x_input, self.x_axis, fused.layer if fused is not None else None)
+                                self.axes, x_input, self.x_axis)
 
     def _record(self, execution: Execution, gx: torch.Tensor) -> None:
         """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32

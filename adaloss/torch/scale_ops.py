@@ -1,7 +1,7 @@
 """The nodes the graph transform inserts, as autograd Functions: scale points, parameter uses, branches, joins,
 output and input points.
 
-Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1), kept in the scale
+Every activation gradient travelling backward carries an accumulated scale A (docs/algorithm.md 2.1), kept in the scale
 table of its execution (``scale_state.py``); the transform fixes statically which slot each node reads and writes.
 
 - A *scale point* replaces a matrix product or convolution with a parameter operand (``points.py`` holds each
@@ -13,7 +13,7 @@ table of its execution (``scale_state.py``); the transform fixes statically whic
 - A *parameter use* sits between a parameter and any other operation that uses it (a norm's weight, a class token,
   a position embedding, an embedding table): its backward divides the gradient by the scale of that use.
 - A *branch* gives each consumer of a value its own copy and brings their gradients to one scale before they are
-  summed (DESIGN.md 2.3); a *join* does the same for the outputs of one operation that are used separately
+  summed (docs/algorithm.md 2.3); a *join* does the same for the outputs of one operation that are used separately
   (``qkv.split``), whose gradients the operation's backward takes together.
 - An *output point* gives the loss gradient at a model output a factor of its own before it meets the model's
   low precision; an *input point* hands gradients of the model's inputs back at the loss's scale.
@@ -40,16 +40,6 @@ __all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "com
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
-class Applied:
-    """A factor the compiled refresh has already applied: ``scaled`` is ``source`` times ``factor``, computed in
-    the same fused kernels as the factor itself (:func:`multiply` hands it back instead of a second pass)."""
-
-    __slots__ = ("factor", "scaled", "source")
-
-    def __init__(self, factor: torch.Tensor, scaled: torch.Tensor, source: torch.Tensor) -> None:
-        self.factor, self.scaled, self.source = factor, scaled, source
-
-
 def times(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """g times a 0-d float32 factor, computed in float32 and rounded once to g's dtype, written for a compiled
     function (Inductor fuses the widening, the product and the rounding into one pass over g)."""
@@ -69,10 +59,6 @@ def multiply(g: torch.Tensor, factor: Any) -> torch.Tensor:
     float32 inside the kernel."""
     if factor is None:
         return g
-    if isinstance(factor, Applied):
-        if factor.source is g:
-            return factor.scaled
-        factor = factor.factor
     if isinstance(factor, torch.Tensor):
         if g.dtype == torch.float32:
             return g * factor
@@ -90,8 +76,6 @@ def same_factor(a: Any, b: Any) -> bool:
     """Whether two factors are known, without reading a device value, to be equal (then one product serves both)."""
     if a is b:
         return True
-    if isinstance(a, Applied) or isinstance(b, Applied):
-        return False
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and float(a) == float(b)
 
 
@@ -108,12 +92,6 @@ def divide_to(g: torch.Tensor, scale: Any, dtype: torch.dtype) -> torch.Tensor:
     elif float(scale) != 1.0:
         g = g / float(scale)
     return g if g.dtype == dtype else g.to(dtype)
-
-
-def _fused(state: ScaleState, kind: str) -> Any:
-    """The state's compiled refresh of a kind of point, or None for the plain one."""
-    fused = state.refresh_functions()
-    return None if fused is None else getattr(fused, kind)
 
 
 class Begin(nn.Module):
@@ -223,7 +201,7 @@ class _Join(torch.autograd.Function):
 
 class BranchPoint(nn.Module):
     """Where a value feeds several consumers (a branch), or where several outputs of one operation are used
-    separately (a join): their gradients are brought to one common scale (DESIGN.md 2.3), which is written to
+    separately (a join): their gradients are brought to one common scale (docs/algorithm.md 2.3), which is written to
     ``in_slot``; a branch then sums them, a join hands each back to the operation's backward."""
 
     def __init__(self, state: ScaleState, name: str, fan_out: int, join: bool = False) -> None:
@@ -251,7 +229,7 @@ class BranchPoint(nn.Module):
             execution.started_backward()
             multipliers = branch_scale_step(execution, self.in_slot, tensors,
                                             [self.out_slots[i] for i, _ in present],
-                                            execution.cache_view(self.name), _fused(self.state, "branch"))
+                                            execution.cache_view(self.name))
         if multipliers is not None:
             tensors = [multiply(g, m) for g, m in zip(tensors, multipliers)]
         if summed:
@@ -282,7 +260,7 @@ class _Output(torch.autograd.Function):
             return None, None, g.to(ctx.dtype)
         execution.started_backward()
         factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype,
-                                   execution.cache_view(point.name), _fused(point.state, "output"))
+                                   execution.cache_view(point.name))
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)
         if point.record and execution.recording:

@@ -1,7 +1,9 @@
-"""The scale state of a model under adaptive loss scaling: per-point factors shared by every captured graph, and one
-small scale table per forward execution.
+"""The scale state of a model under adaptive loss scaling: per-point factors shared by every captured graph
+(:class:`ScaleState`), one small scale table per forward execution (:class:`Execution`), what each captured graph
+needs at run time (:class:`GraphPlan`), and the host copies of the factors that steps between refreshes on a device
+apply (:class:`HostMirror`).
 
-Every activation gradient travelling backward carries an accumulated scale A (DESIGN.md 2.1). The graph transform
+Every activation gradient travelling backward carries an accumulated scale A (docs/algorithm.md 2.1). The graph transform
 (``graph_transform.py``) gives each gradient edge of a captured graph a slot, fixed statically; each *execution* of
 that graph (each forward call) gets its own float32 table of those slots on the model's device, so a model called
 twice before one backward (a siamese loss) keeps two consistent sets of scales. Per scale point (keyed by its stable
@@ -21,18 +23,107 @@ stay in float32, and the scale bookkeeping becomes NumPy arithmetic instead of 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from adaloss.options import AdaptiveScalingConfig
 from adaloss.core.array_ops import host_view, scalars_on_host
 from adaloss.core.scale_schedule import ScaleSchedule
+from adaloss.errors import DoubleBackwardError
+from adaloss.options import AdaptiveScalingConfig
 
-from .execution import Execution, GraphPlan, HostMirror
+from .modes.base import ExecutionMode
+from .modes.eager import EagerMode
 
-__all__ = ["Execution", "GraphPlan", "ScaleState"]
+__all__ = ["DOUBLE_BACKWARD", "Execution", "GraphPlan", "HostMirror", "ScaleState"]
+
+DOUBLE_BACKWARD = (
+    "adaloss: adaptive loss scaling cannot differentiate through its model twice (a backward with "
+    "create_graph=True, e.g. torch.autograd.grad(..., create_graph=True) for a gradient penalty or a Hessian-vector "
+    "product): its per-layer factors are constants of the first backward, so second-order gradients through them "
+    "would be wrong. Give the model you differentiate twice (a WGAN-GP critic) a LossScaler(model, 'dynamic') of "
+    "its own, and keep adaptive scaling on the others (the generator)")
+
+
+@dataclass
+class GraphPlan:
+    """What one captured graph needs at run time: its number of slots, the slot of its first output point (where
+    the accumulated cap of the paper's methods counts from) and the table its last full backward left (reused by
+    executions between refreshes)."""
+    key: int
+    num_slots: int
+    origin_slot: int = 0
+    template: torch.Tensor | None = None
+    points: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HostMirror:
+    """Host copies of everything a step between refreshes reads: the per-point arrays (``_POINT_ARRAYS`` order), the
+    caches of output, branch and join points, and the scale table of each captured graph (by plan key)."""
+    arrays: tuple[np.ndarray, ...]
+    caches: dict[str, np.ndarray]
+    tables: dict[int, np.ndarray]
+
+
+class Execution:
+    """One forward call of a captured graph: its scale table, and the schedule flags the core steps read.
+
+    The flags are fixed when the forward starts (the optimizer step that changes them comes after this execution's
+    backward). :meth:`scale_arrays` is what ``adaloss.core.scale_steps`` reads and writes.
+    """
+
+    __slots__ = ("state", "plan", "table", "mirror", "options", "adaptive", "refresh", "reuse", "headroom",
+                 "origin_slot", "reference_pass", "recording", "compute_dtype", "pure", "_table_view", "_started")
+
+    def __init__(self, state: "ScaleState", plan: GraphPlan, table: Any, mirror: HostMirror | None = None) -> None:
+        self.state, self.plan, self.table = state, plan, table
+        #: Host copies of the stored factors (a step between refreshes on a device), or None.
+        self.mirror = mirror
+        self.options = state.options
+        self.adaptive = state.adaptive
+        self.refresh = state.refresh
+        self.reuse = state.reuse and plan.template is not None
+        self.headroom = state.headroom
+        self.origin_slot = plan.origin_slot
+        self.reference_pass = state.reference_pass
+        self.recording = state.recording
+        #: The low-precision dtype scale points compute in (autocast's, or the pure mode's), None for float32.
+        self.compute_dtype: torch.dtype | None = None
+        #: Whether this is the pure low-precision mode (casts inside the graph) rather than autocast.
+        self.pure = False
+        self._table_view = table if mirror is not None else host_view(table)
+        self._started = False
+
+    def scale_arrays(self) -> tuple:
+        """(table, unbound, factor, weight_unbound, weight_factor, weight_scale) for the core steps. The per-point
+        arrays are looked up each time: a graph captured meanwhile may have grown them."""
+        if self.mirror is not None:
+            return (self._table_view, *self.mirror.arrays)
+        view = self.state.view
+        return (self._table_view, view("unbound"), view("factor"), view("weight_unbound"), view("weight_factor"),
+                view("weight_scale"))
+
+    def cache_view(self, name: str) -> Any:
+        """The cache of an output, branch or join point as the core steps use it (its host copy between refreshes
+        on a device)."""
+        if self.mirror is not None:
+            found = self.mirror.caches.get(name)
+            if found is not None:
+                return found
+        return self.state.cache_view(name)
+
+    def started_backward(self) -> None:
+        """Every backward node of an adaptive execution calls this first: the first tells the state (once), and a
+        backward that records a graph of its own (``create_graph=True``) is refused."""
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(DOUBLE_BACKWARD)
+        if not self._started:
+            self._started = True
+            self.state.ran_backward(self)
+
 
 #: The per-point arrays, in the order of ``ScaleSchedule.scale_arrays`` after the table.
 _POINT_ARRAYS = ("unbound", "factor", "weight_unbound", "weight_factor", "weight_scale")
@@ -48,22 +139,19 @@ class ScaleState(ScaleSchedule):
 
     def __init__(self, options: AdaptiveScalingConfig | None, init_scale: float, device: torch.device | str) -> None:
         #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
-        #: steps between refreshes (``compiled_steps.py``) gather their coefficients again when it moves.
+        #: steps between refreshes (``modes/compiled.py``) gather their coefficients again when it moves.
         self.generation = 0
-        #: Whether refresh steps and steps between refreshes run compiled (``LossScaler(..., compile=True)``).
-        self.compile_steps = False
-        #: Forward calls that ran a compiled step (what tests and the benchmark check), and the captured graphs'
-        #: ``CompiledSteps`` objects.
-        self.compiled_steps = 0
-        self.compiled_graphs: list[Any] = []
+        #: How the steps run (``modes/``): eager by default; ``LossScaler(compile=True)`` and ``GraphedStep`` set
+        #: another. The state asks it two things: whether to mirror the factors on the host, whether to keep
+        #: templates of fixed address.
+        self.mode: ExecutionMode = EagerMode()
+        self.graphs: dict[int, GraphPlan] = {}
         self.init_schedule(options)
         self.device = torch.device(device)
         self.loss_scale = float(init_scale)
         self.note_origin_scale(self.loss_scale)
         #: Compute dtype for the pure (non-autocast) low-precision path: casts happen inside the graph.
         self.pure_dtype: torch.dtype | None = None
-        #: Compiled refresh functions (a ``fused.FusedRefresh``, see :meth:`use_fused_refresh`), or None.
-        self.fused_refresh: Any = None
         self.names: list[str] = []
         self.index_of: dict[str, int] = {}
         #: Each point's operation kind and fan, for the printed table.
@@ -76,23 +164,15 @@ class ScaleState(ScaleSchedule):
         self._allocate(0)
         #: 0-d factors of output points and common scales of branch/join points, by name (reused between refreshes).
         self.caches: dict[str, torch.Tensor] = {}
-        self.graphs: dict[int, GraphPlan] = {}
         self._active: list[Execution] = []
         #: Compiled refresh steps whose values are still in their sink's gradient (see :meth:`settle`).
         self._pending: list[tuple] = []
         #: Backward passes through scale points since the scaler last checked (see LossScaler.step).
         self.backward_passes = 0
-        #: Whether steps between refreshes on a device apply host copies of the factors (see :meth:`mirror_request`);
-        #: off, they apply the 0-d device factors (a whole step captured in a CUDA graph needs those).
-        self.mirror_between_refreshes = True
         #: The host copies the steps until the next refresh apply, and those read back for them this iteration.
         self.host_mirror: HostMirror | None = None
         self._pending_mirror: HostMirror | None = None
         self._mirror_layout: list[tuple[str, Any, int]] = []
-        #: Whole steps captured in CUDA graphs (``graphs.GraphedStep``): a full backward copies its tables into
-        #: templates that keep their memory (:meth:`copy_templates`), so that a captured reuse step reads the same
-        #: addresses on every replay, and marking the state stale keeps them (the reuse flag says they are stale).
-        self.keep_templates = False
         #: Recorded steps: the output points' measured cast underflow, and every point's share of input-gradient
         #: elements that are zero in low precision but not in float32 for any reason (also forward mismatches).
         self.output_records: dict[str, Any] = {}
@@ -161,30 +241,6 @@ class ScaleState(ScaleSchedule):
         """:meth:`cache` as the factor math uses it."""
         return host_view(self.cache(name))
 
-    def use_fused_refresh(self, enabled: bool) -> None:
-        """Run the refresh of each scale, branch, join and output point (statistics, factor math, and the reads and
-        writes of the state) as a compiled function (torch.compile, Inductor): a few fused kernels instead of
-        dozens of 0-d operations, on the device path only (host scalars on CPU are cheaper still); the first
-        refresh of each kind of point compiles.
-
-        Off by default. Its kernels are compiled for dynamic shapes, and Inductor tunes a reduction to the sizes it
-        first compiles for: on an H200, a refresh compiled first on small tensors (a test's, or a small first batch;
-        the compiled code is also cached across processes) made ResNet-50's adaptive step 30 times slower. Compiled
-        on the model's own sizes it was no faster than the plain device path in eager steps (2.9x against 2.7x a
-        GradScaler step on ResNet-50), though it launches fewer kernels."""
-        if enabled:
-            from .fused import fused_refresh  # it imports the scale points, which import this module
-
-            self.fused_refresh = fused_refresh()
-        else:
-            self.fused_refresh = None
-
-    def refresh_functions(self) -> Any:
-        """The compiled refresh functions when they are on and the factor math takes the device path, else None
-        (host scalars, the CPU path, are cheaper than any compiled call, and Dynamo cannot trace them)."""
-        fused = self.fused_refresh
-        return None if fused is None or scalars_on_host(self.arrays["factor"]) else fused
-
     # -- graphs and executions -------------------------------------------------------------------------------------
 
     def add_graph(self, num_slots: int, origin_slot: int, points: list[str]) -> GraphPlan:
@@ -248,27 +304,27 @@ class ScaleState(ScaleSchedule):
     def mark_stale(self) -> None:
         """The next backward recomputes every bound (state restored, loss scale or headroom changed)."""
         super().mark_stale()
-        self.generation = getattr(self, "generation", 0) + 1
+        self.generation += 1
         self.host_mirror = self._pending_mirror = None
-        if not getattr(self, "keep_templates", False):
-            for plan in getattr(self, "graphs", {}).values():
+        if not self.mode.keeps_templates:
+            for plan in self.graphs.values():
                 plan.template = None
 
     def copy_templates(self) -> None:
         """Inside a step that may be captured in a CUDA graph, after its backward: copy each table this iteration's
         full backward passes wrote into its graph's template (allocated on the first call), so that the template
-        keeps one address for every replay (see ``keep_templates``). A no-op on steps that reuse the templates."""
+        keeps one address for every replay (a mode that ``keeps_templates``). A no-op on steps that reuse the templates."""
         self.settle()
         for execution in self._active:
             self._save_template(execution)
 
     def _save_template(self, execution: "Execution") -> None:
-        """A full backward's table becomes its graph's template: the table itself, or with ``keep_templates`` a
+        """A full backward's table becomes its graph's template: the table itself, or for a mode that ``keeps_templates`` a
         copy into the template's own memory (allocated the first time)."""
         plan = execution.plan
         if execution.reuse or plan.template is execution.table:
             return
-        if not self.keep_templates:
+        if not self.mode.keeps_templates:
             plan.template = execution.table
         elif plan.template is None:
             plan.template = execution.table.clone()
@@ -282,7 +338,7 @@ class ScaleState(ScaleSchedule):
         to read back with the step's overflow flag (then :meth:`receive_mirror`); None when nothing is needed: on
         the host path, on steps that applied stored factors themselves, or when the next step refreshes anyway."""
         self.settle()
-        if (not (self.adaptive and self.mirror_between_refreshes) or self.reuse or not self._active
+        if (not (self.adaptive and self.mode.mirrors_factors) or self.reuse or not self._active
                 or scalars_on_host(self.arrays["factor"])
                 or (self.iteration + 1) % self.options.update_per_n_iteration == 0):
             return None

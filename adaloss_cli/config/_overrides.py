@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from ._bounded_yaml import safe_load_bounded
+from .bounded_yaml import safe_load_bounded
 from adaloss.fields import did_you_mean, join, keys_of
 
 from ._messages import suggest_path

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from ._bounded_yaml import BoundedSafeLoader, YamlLimitError
+from .bounded_yaml import BoundedSafeLoader, YamlLimitError
 from .problems import Problem
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"

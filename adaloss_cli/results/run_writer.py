@@ -1,4 +1,4 @@
-"""Everything a training run writes into its run directory (DESIGN.md section 4).
+"""Everything a training run writes into its run directory (docs/architecture.md 5).
 
 Backends never write files: the engine hands each record to this writer.
 """

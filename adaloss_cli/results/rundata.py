@@ -133,7 +133,7 @@ class RunData:
         """config.yaml as plain data (empty when unreadable)."""
         import yaml
 
-        from adaloss_cli.config._bounded_yaml import safe_load_bounded
+        from adaloss_cli.config.bounded_yaml import safe_load_bounded
         from adaloss_cli.config.loader import read_config_text
         from adaloss_cli.limits import LimitExceeded
 

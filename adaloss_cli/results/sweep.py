@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import yaml
 
 from adaloss_cli.config import ConfigError, load_config
-from adaloss_cli.config._bounded_yaml import YamlLimitError, safe_load_bounded
+from adaloss_cli.config.bounded_yaml import YamlLimitError, safe_load_bounded
 from adaloss_cli.config.loader import read_config_text
 from adaloss_cli.config.schema import ExperimentConfig
 from adaloss.errors import UserError

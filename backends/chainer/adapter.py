@@ -6,7 +6,7 @@ activations and activation gradients really are float16 while parameter gradient
 float32; batch normalisation keeps float32 parameters (Chainer's kernel takes a float16 input with float32 gamma).
 Chainer's native route (``chainer.mixed16`` links plus ``use_fp32_update``) was not taken: it keeps float16
 parameters whose gradients are only cast to float32 at the update, and our parameter gradients must leave backward
-already divided by their per-layer scale in float32 (DESIGN.md 2.1, 2.4); it would also give checkpoints float16
+already divided by their per-layer scale in float32 (docs/algorithm.md 2.1, 2.4); it would also give checkpoints float16
 weights and make the Chainer and torch runs of one config differ in where rounding happens.
 """
 

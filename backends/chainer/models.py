@@ -7,7 +7,7 @@ which the cross-backend test relies on.
 
 Where a value feeds several consumers (a residual block's input), the model declares it with a :class:`Fork` link:
 Chainer has no torch.fx, so the branch points of adaptive loss scaling are declared where the model is built
-(DESIGN.md section 3). A Fork is a plain identity until ``transform_links`` binds it.
+(docs/architecture.md 3). A Fork is a plain identity until ``transform_links`` binds it.
 """
 
 from __future__ import annotations

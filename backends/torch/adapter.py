@@ -87,7 +87,7 @@ class TorchBackend(Backend):
             torch.cuda.reset_peak_memory_stats(device)
 
     def _graphed_step(self) -> Any:
-        from adaloss.torch.graphs import GraphedStep
+        from adaloss.torch.modes.cuda_graph import GraphedStep
 
         clip = self.config.training.grad_clip_norm
 

@@ -3,7 +3,7 @@ ResNet-18 defined here; a GPT and a ViT from :mod:`.transformer_models`.
 
 Every image model takes NCHW images and returns (N, num_classes) logits; the GPT takes (N, T) token ids and returns
 (N, T, vocabulary) logits. The image models are built from modules with no data-dependent Python control flow, so
-``torch.fx.symbolic_trace`` sees the whole graph (DESIGN.md section 3). Residual adds are plain ``+`` so the tracer
+``torch.fx.symbolic_trace`` sees the whole graph (docs/architecture.md 3). Residual adds are plain ``+`` so the tracer
 records them as branch points.
 """
 

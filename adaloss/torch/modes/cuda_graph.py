@@ -27,14 +27,27 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .scaler import LossScaler
+from adaloss.torch.scaler import LossScaler
 
-__all__ = ["GraphedStep", "graph_safe_optimizer"]
+from .base import ExecutionMode
+from .compiled import CompiledMode
+
+__all__ = ["CudaGraphMode", "GraphedStep", "graph_safe_optimizer"]
 
 #: Where captured steps run (tests that emulate capture on a CPU-only machine set "cpu").
 _DEVICE_TYPE = "cuda"
 #: Optimizers whose fused step takes the overflow flag on the device (``_step_supports_amp_scaling``).
 _FUSED_SUPPORTED = "SGD, Adam or AdamW built with fused=True"
+
+
+class CudaGraphMode(ExecutionMode):
+    """Steps captured in CUDA graphs (:class:`GraphedStep` sets it on its scaler's state): eager steps underneath,
+    whose steps between refreshes apply the device factors (a replay cannot read host numbers) and whose full
+    backward passes keep their tables in templates of fixed address (a replay reads the same memory)."""
+
+    name = "cuda_graph"
+    mirrors_factors = False
+    keeps_templates = True
 
 
 def graph_safe_optimizer(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -138,7 +151,7 @@ class GraphedStep:
                              "eager steps there")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
-        if scaler.state is not None and scaler.state.compile_steps:
+        if scaler.state is not None and isinstance(scaler.state.mode, CompiledMode):
             raise ValueError("GraphedStep replays eager steps; its LossScaler was built with compile=True (choose "
                              "one: CUDA graphs or compiled steps)")
         self._rates = graph_safe_optimizer(optimizer)
@@ -154,9 +167,8 @@ class GraphedStep:
         self._shapes: dict[tuple, _Captures] = {}
         self._current: _Captures | None = None
         state = scaler.state
-        if state is not None:  # steps between refreshes apply the device factors: no host copies in a graph
-            state.mirror_between_refreshes = False
-            state.keep_templates = True
+        if state is not None:  # device factors between refreshes, templates of fixed address
+            state.mode = CudaGraphMode()
 
     # -- the call ------------------------------------------------------------------------------------------------
 

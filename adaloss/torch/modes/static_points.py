@@ -1,36 +1,30 @@
-"""Training steps compiled whole: ``LossScaler(model, "adaptive", compile=True)``.
+"""The static graphs the compiled mode compiles: copies of a transformed graph in which every inserted point's node
+calls a function with no Python state per step, so that Inductor can trace forward and backward whole.
 
-An eager adaptive step runs a Python autograd function per scale point, branch and parameter use, which bounds it
-on a GPU (DESIGN.md 6). Here each captured graph gets *static* copies of its transformed graph, compiled by Inductor
-(``torch.compile``'s default compiler) forward and backward, with no Python per layer:
+- :func:`static_graph` makes the copy; :func:`point_forward` and :func:`point_gradients` are what every static scale
+  point computes, exactly as its eager counterpart (``adaloss.torch.points``): operands cast as autocast would,
+  products in float32 rounded once to the gradient's dtype, parameter gradients divided in float32.
+- Steps between refreshes (:func:`reuse_call`): every factor and accumulated scale is what the last refresh stored
+  (``adaloss.core.scale_schedule``), so the points only multiply by stored numbers, read from one vector input, the
+  *coefficients* (:class:`Layout`), gathered from the scale state once per refresh period (a handful of kernels, no
+  host read): values changing at a refresh never recompile anything.
 
-- steps between refreshes: every factor and accumulated scale is what the last refresh stored
-  (``adaloss.core.scale_schedule``), so the points only multiply by stored numbers. Their static versions
-  (this module) read those numbers from one vector input, the *coefficients*, gathered from the scale state once per
-  refresh period (a handful of kernels, no host read), so values changing at a refresh never recompile anything;
-- refresh steps: the points' static versions call the core's refresh functions on the traced gradients
-  (``compiled_refresh.py``), one compiled graph per headroom value.
-
-Each static point computes what its eager counterpart computes (the same factors, products in float32 rounded once
-to the gradient's dtype, parameter gradients divided in float32), so compiled and eager steps agree up to Inductor's
-reduction order and its float32 intermediates. Steps that only recompute bounds (after a new loss scale), recorded
-steps and the float32 reference pass run the eager graph.
+The refresh steps' static points are ``compiled_refresh.py``'s.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from .points import ScalePoint, _cast, _no_autocast
-from .scale_ops import (Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, compute_dtype, divide_to,
-                        times)
-from .scale_state import GraphPlan, ScaleState
+from adaloss.torch.points import ScalePoint, autocast_off, cast_operand
+from adaloss.torch.scale_ops import (Begin, BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to,
+                                     times)
+from adaloss.torch.scale_state import GraphPlan, ScaleState
 
-__all__ = ["CompiledSteps"]
+__all__ = ["Layout", "point_forward", "point_gradients", "reuse_call", "static_graph"]
 
 #: Where a coefficient's numerator or denominator comes from: a per-point array of the state and an index, the
 #: graph's scale table (template) and a slot, an output/branch cache by name, or the constant 1.
@@ -38,7 +32,7 @@ Source = tuple[str, Any]
 _ONE: Source = ("one", 0)
 
 
-class _Layout:
+class Layout:
     """The coefficients of one static graph: each is numerator / denominator, both read from the scale state."""
 
     def __init__(self) -> None:
@@ -83,8 +77,8 @@ def point_forward(ctx: Any, point: ScalePoint, dtype: torch.dtype | None, x: tor
                   bias: torch.Tensor | None, *saved: torch.Tensor) -> torch.Tensor:
     """A static scale point's forward: its operands cast as autocast would, the product, and what backward needs
     saved (``saved``, then the cast input and weight, then the float32 weight)."""
-    xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
-    with _no_autocast(x.device.type):
+    xc, wc, bc = cast_operand(x, dtype), cast_operand(weight, dtype), cast_operand(bias, dtype)
+    with autocast_off(x.device.type):
         y = point.compute(xc, wc, bc)
     ctx.save_for_backward(*saved, xc, wc, weight)
     ctx.point = point
@@ -103,7 +97,7 @@ def point_gradients(ctx: Any, gy: torch.Tensor, needs: tuple[bool, bool, bool], 
     x_shape, w_shape = ctx.shapes
     x_dtype, w_dtype, b_dtype = ctx.dtypes
     gx = gw = gb = None
-    with _no_autocast(gy.device.type):
+    with autocast_off(gy.device.type):
         if needs[0]:
             gx = point.input_grad(times(gy, factor), xc, x_shape, wc).to(x_dtype)
         if needs[1]:
@@ -202,7 +196,7 @@ class _StaticInput(torch.autograd.Function):
         return None, None, None, divide_to(g, c[ctx.at], ctx.dtype)
 
 
-def _static_call(module: Any, layout: _Layout, dtype: torch.dtype | None, pure: bool) -> Callable[..., Any]:
+def reuse_call(module: Any, layout: Layout, dtype: torch.dtype | None, pure: bool) -> Callable[..., Any]:
     """What replaces an inserted point's node in the static graph: a function of (coefficients, *its inputs)."""
     if isinstance(module, ScalePoint):
         at = layout.add(("factor", module.index))
@@ -266,115 +260,3 @@ def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any
         node.meta = {}
     graph.lint()
     return fx.GraphModule(gm, graph)
-
-
-def _compile_failed(kind: str, err: Exception) -> None:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    warnings.warn(f"adaloss: compiling the {kind} steps failed ({type(err).__name__}: {first}); they run eagerly "
-                  "(correct, slower)", RuntimeWarning, stacklevel=4)
-
-
-class CompiledSteps:
-    """What the capture backend returns for one transformed graph with ``compile``: calls the eager graph, except on
-    refresh steps and steps between refreshes, which run compiled static graphs (each built and compiled at its
-    first step, under the autocast state Dynamo guarded this graph on). Steps that only recompute bounds, recorded
-    steps and the float32 reference pass stay eager."""
-
-    def __init__(self, gm: fx.GraphModule, state: ScaleState) -> None:
-        self.gm, self.state = gm, state
-        self.plan: GraphPlan = gm.adaloss.plan
-        self._compiled: Callable[..., Any] | None = None
-        #: The coefficients' layout and their values for the current refresh period (after the first compiled step).
-        self.layout: _Layout | None = None
-        self.coefficients: torch.Tensor | None = None
-        self._generation = -1
-        #: Compiled refresh graphs by headroom: (compiled function, where its values go), or None after a failure.
-        self.refreshes: dict[float, Any] = {}
-        self._failed = False
-        state.compiled_graphs.append(self)
-
-    def _compilable(self) -> bool:
-        state = self.state
-        return (state.compile_steps and state.adaptive and not state.recording and not state.reference_pass
-                and torch.is_grad_enabled())
-
-    def __call__(self, *args: Any) -> Any:
-        state = self.state
-        if self._compilable():
-            if state.refresh:
-                return self._refresh(args)
-            if state.reuse and self.plan.template is not None and not self._failed:
-                return self._reuse(args)
-        return self.gm.forward(*args)
-
-    # -- steps between refreshes -----------------------------------------------------------------------------------
-
-    def _reuse(self, args: tuple) -> Any:
-        if self._compiled is None:
-            self._compile_steps(args)
-            if self._compiled is None:
-                return self.gm.forward(*args)
-        state = self.state
-        if self._generation != state.generation:
-            self.coefficients = self.layout.gather(state, self.plan)
-            self._generation = state.generation
-        state.backward_passes += 1  # the compiled backward cannot tell the state; its forward does
-        state.compiled_steps += 1
-        return self._compiled(*args, self.coefficients)
-
-    def _compile_steps(self, args: tuple) -> None:
-        from torch._inductor.compile_fx import compile_fx
-
-        dtype, pure = compute_dtype(self.state)
-        layout = _Layout()
-        static = static_graph(self.gm, ["adaloss_coefficients"],
-                              lambda module: _static_call(module, layout, dtype, pure))
-        try:
-            self._compiled = compile_fx(static, [*args, layout.gather(self.state, self.plan)])
-        except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
-            self._failed = True
-            _compile_failed("between-refresh", err)
-            return
-        self.layout = layout
-
-    # -- refresh steps ---------------------------------------------------------------------------------------------
-
-    def _refresh(self, args: tuple) -> Any:
-        state = self.state
-        entry = self.refreshes.get(state.headroom, ())
-        if entry == ():
-            entry = self.refreshes[state.headroom] = self._compile_refresh(args)
-        if entry is None:
-            return self.gm.forward(*args)
-        compiled, writes = entry
-        execution = state.begin(self.plan)
-        loss_scale, sink = self._refresh_inputs(writes)
-        state.expect_refresh(execution, sink, writes, loss_scale)
-        state.compiled_steps += 1
-        return compiled(*args, loss_scale, sink)
-
-    def _refresh_inputs(self, writes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss scale (what every table slot holds before backward writes it) and a fresh sink."""
-        state = self.state
-        loss_scale = torch.full((1,), state.loss_scale, dtype=torch.float32, device=state.device)
-        return loss_scale, torch.zeros(writes.size, device=state.device, requires_grad=True)
-
-    def _compile_refresh(self, args: tuple) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        from adaloss.core.array_ops import traced_scalars
-
-        from .compiled_refresh import new_trace, refresh_call
-
-        state = self.state
-        dtype, pure = compute_dtype(state)
-        trace = new_trace(self.gm, state, self.plan, state.headroom)
-        static = static_graph(self.gm, ["adaloss_loss_scale", "adaloss_sink"], refresh_call(trace, dtype, pure),
-                              begin=trace.begin)
-        try:
-            with traced_scalars():  # the factor math traced as tensor operations, also on CPU
-                compiled = compile_fx(static, [*args, *self._refresh_inputs(trace.writes)])
-        except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
-            _compile_failed("refresh", err)
-            return None
-        return compiled, trace.writes

@@ -1,8 +1,8 @@
-"""Refresh steps compiled whole: the other half of ``LossScaler(model, "adaptive", compile=True)``.
+"""Refresh steps compiled whole: the other half of the compiled mode (``compiled.py``).
 
 A refresh recomputes every point's factors from the statistics of its gradients in backward and writes them, with
 the scale table, to the scale state; eagerly each point does that in Python, in its autograd function. Here the
-static graph of ``compiled_steps.py`` gets points whose backward calls the core's pure refresh functions
+static graph (``static_points.py``) gets points whose backward calls the core's pure refresh functions
 (``refresh_factors``, the branch common scale, the output factor: the same code every backend runs) on the traced
 gradients, so that Inductor compiles the statistics, the factor math and the scaled products of the whole backward
 into one graph. Two things an eager backward does through Python state become data flow:
@@ -32,10 +32,11 @@ from adaloss.core.branches import branch_common_scale_with
 from adaloss.core.range_bounds import output_factor_with
 from adaloss.core.scale_steps import refresh_factors
 
-from .compiled_steps import point_forward, point_gradients
-from .points import ScalePoint, _no_autocast
-from .scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to, times
-from .scale_state import Execution, GraphPlan, ScaleState
+from adaloss.torch.points import ScalePoint, autocast_off
+from adaloss.torch.scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to, times
+from adaloss.torch.scale_state import Execution, GraphPlan, ScaleState
+
+from .static_points import point_forward, point_gradients
 
 __all__ = ["RefreshWrites", "refresh_call"]
 
@@ -135,7 +136,7 @@ class _RefreshPoint(torch.autograd.Function):
         accum = trace.read(c, point.out_slot)
         weight = wc if rule_of(options).exact_weight else master.detach()
         x_input = xc.detach() if needs[1] and options.exact_bounds else None
-        with _no_autocast(gy.device.type):  # (the trace may run inside the forward's autocast region)
+        with autocast_off(gy.device.type):  # (the trace may run inside the forward's autocast region)
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
                 gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
                 x_axis=point.x_axis, options=options, headroom=trace.headroom)
@@ -179,7 +180,7 @@ class _RefreshMerge(torch.autograd.Function):
             if rule_of(trace.options).shares_branch_range:
                 limit /= len(tensors)
             scales = [trace.read(c, point.out_slots[i]) for i in present]
-            with _no_autocast(tensors[0].device.type):
+            with autocast_off(tensors[0].device.type):
                 common, multipliers = branch_common_scale_with(ops_for(tensors[0]), tensors, scales, limit)
             for i, m in zip(present, multipliers):
                 out[i] = times(grads[i], m)
@@ -206,7 +207,7 @@ class _RefreshOutput(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
-        with _no_autocast(g.device.type):
+        with autocast_off(g.device.type):
             factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
