@@ -1,17 +1,21 @@
-"""Shared fixtures: tiny configs, a CLI runner, and the golden layer and scalar path of the test_adaptive_core*
-files."""
+"""Fixtures shared by every test folder: one intra-op thread, a CLI runner, a tiny config, and the golden layer and
+scalar path of the core tests. Helper functions live in modules beside this one (``helpers.py``,
+``framework_helpers.py``, ``chainer_helpers.py``): a test imports them by name, which a conftest of a subfolder would
+shadow.
+
+The folders mirror the layout (docs/architecture.md): ``library/core``, ``library/torch`` and ``library/chainer`` test
+the library (``adaloss``), ``cli`` the app (``adaloss_cli``), ``backends`` its adapters and model zoos."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from adaloss_cli.cli import cli
+from helpers import write_config
 
 
 @pytest.fixture(scope="module")
@@ -24,25 +28,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def write_config(path: Path, **sections) -> Path:
-    """Write a tiny, fast experiment config (digits, small MLP, a few steps), with sections overridden."""
-    data = {
-        "run": {"name": "t", "seed": 0},
-        "model": {"name": "mlp", "hidden_sizes": [32]},
-        "data": {"name": "digits"},
-        "training": {"iterations": 6, "batch_size": 16, "eval_batch_size": 512,
-                     "optimizer": {"name": "sgd", "lr": 0.05}},
-        "output": {"root": str(path.parent / "runs"), "record_every": 2, "progress": False},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    # Atomic: distributed test workers write the same config from every rank while another rank may read it.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(data))
-    os.replace(tmp, path)
-    return path
 
 
 @pytest.fixture

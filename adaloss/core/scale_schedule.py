@@ -61,9 +61,17 @@ class ScaleSchedule:
         self._update_flags()
 
     def _update_flags(self) -> None:
-        self.refresh = self.adaptive and (self._force_refresh
-                                          or self._iteration % self.options.update_per_n_iteration == 0)
+        self.refresh = self.adaptive and (self._force_refresh or self._refreshes_at(self._iteration))
         self.reuse = self._tables_current and not self.refresh
+
+    def _refreshes_at(self, iteration: int) -> bool:
+        """Whether ``iteration`` is a refresh iteration of the period: the one place that reads it."""
+        return iteration % self.options.update_per_n_iteration == 0
+
+    @property
+    def next_iteration_refreshes(self) -> bool:
+        """Whether the iteration after this one recomputes the statistics anyway (by the period)."""
+        return self.adaptive and self._refreshes_at(self._iteration + 1)
 
     def scale_arrays(self) -> tuple[Any, Any, Any, Any, Any, Any]:
         """(table, unbound, factor, weight_unbound, weight_factor, weight_scale): the arrays the factor math reads

@@ -340,7 +340,7 @@ class ScaleState(ScaleSchedule):
         self.settle()
         if (not (self.adaptive and self.mode.mirrors_factors) or self.reuse or not self._active
                 or scalars_on_host(self.arrays["factor"])
-                or (self.iteration + 1) % self.options.update_per_n_iteration == 0):
+                or self.next_iteration_refreshes):
             return None
         tables = {execution.plan.key: execution.table for execution in self._active}
         entries = ([("array", name, self.arrays[name]) for name in _POINT_ARRAYS]

@@ -75,12 +75,12 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
     """
     from adaloss_cli.commands.report import show_outputs
     from adaloss.errors import RuntimeFailure, UserError
-    from adaloss_cli.results.children import Child, ChildRunner
+    from adaloss_cli.runs.children import Child, ChildRunner
     from adaloss_cli.results.index import SWEEP, sweep_groups, write_index
     from adaloss_cli.results.rundata import FINISHED, run_status
     from adaloss_cli.results.rebuild import write_outputs
     from adaloss_cli.results.rundir import SWEEP as SWEEP_KIND, open_collection_dir, remove_run_dir
-    from adaloss_cli.results.sweep import load_sweep
+    from adaloss_cli.runs.sweep import load_sweep
 
     sweep = load_sweep(sweep_file, out, overrides)
     folder = sweep.out

@@ -117,9 +117,9 @@ def compare(methods: tuple[str, ...], config_path: Path, seed_values: tuple[str,
             out: Path | None, device: str | None, jobs: int, no_plots: bool, as_json: bool, quiet: bool) -> None:
     from adaloss_cli.config import ConfigError, load_config
     from adaloss.errors import RuntimeFailure, UserError
-    from adaloss_cli.results.children import Child, ChildRunner
+    from adaloss_cli.runs.children import Child, ChildRunner
     from adaloss_cli.results.index import COMPARE, compare_groups, write_index
-    from adaloss_cli.results.methods import BASELINE, parse_methods
+    from adaloss_cli.runs.methods import BASELINE, parse_methods
     from adaloss_cli.results.rebuild import write_outputs
     from adaloss_cli.limits import check_run_count
     from adaloss_cli.results.rundir import COMPARE as COMPARE_KIND, claim_exact_dir, create_run_dir

@@ -12,7 +12,7 @@ from adaloss_cli.commands.params import CONFIG_FILE
 def _check(path: Path, overrides: tuple[str, ...]) -> str:
     """What an ok file is (``ok``, ``ok (sweep of 12 runs)``); raises the file's UserError otherwise."""
     from adaloss_cli.config import load_config
-    from adaloss_cli.results.sweep import is_sweep_file, load_sweep
+    from adaloss_cli.runs.sweep import is_sweep_file, load_sweep
 
     if is_sweep_file(path):
         sweep = load_sweep(path, overrides=overrides)

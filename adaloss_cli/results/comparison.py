@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adaloss_cli.results.files import atomic_write_text, clean_for_json
-from adaloss_cli.results.methods import BASELINE
+from adaloss_cli.runs.methods import BASELINE
 from adaloss_cli.results.rundata import RunData
 
 #: Summary keys averaged over the completed runs of a group; accuracies also get their sample std.

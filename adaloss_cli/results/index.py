@@ -14,7 +14,7 @@ from typing import Any
 from adaloss.errors import UserError
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.files import atomic_write_json, read_json
-from adaloss_cli.results.methods import BASELINE, label_of_config
+from adaloss_cli.runs.methods import BASELINE, label_of_config
 from adaloss_cli.results.rundata import RunData, is_run_dir
 
 INDEX = "index.json"

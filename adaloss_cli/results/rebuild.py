@@ -16,7 +16,7 @@ from adaloss_cli.results.comparison import Group, aggregate, to_markdown, write_
 from adaloss_cli.results.files import remove_stale_temp_files
 from adaloss_cli.results.index import COMPARE, TABLE_STEM, title_of
 from adaloss_cli.results.locks import DirectoryLock
-from adaloss_cli.results.methods import BASELINE
+from adaloss_cli.runs.methods import BASELINE
 
 
 @dataclass

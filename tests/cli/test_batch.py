@@ -12,13 +12,13 @@ import yaml
 from click.testing import CliRunner
 
 from adaloss_cli.cli import cli
-from adaloss_cli.results.sweep import load_sweep, point_name, short_keys, yaml_value
+from adaloss_cli.runs.sweep import load_sweep, point_name, short_keys, yaml_value
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args):

@@ -13,7 +13,7 @@ import pytest
 from adaloss import __version__
 from adaloss_cli.self_command import adaloss_command, python_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def site_packages_without_pth() -> dict[str, str]:

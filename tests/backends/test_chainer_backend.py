@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_chainer_support import chainer
+from chainer_helpers import chainer
 
 from adaloss_cli.backends import get_backend  # noqa: E402
 from adaloss_cli.backends.chainer.adapter import ChainerBackend  # noqa: E402
@@ -21,7 +21,7 @@ from adaloss_cli.data import BatchStream, load_dataset  # noqa: E402
 from adaloss.errors import UserError  # noqa: E402
 from adaloss_cli.results.checkpoint_format import load_checkpoint, save_checkpoint  # noqa: E402
 
-from conftest import write_config  # noqa: E402
+from helpers import write_config  # noqa: E402
 
 BATCH = 16
 

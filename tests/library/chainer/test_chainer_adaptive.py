@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from test_chainer_support import (LOUD, MODELS, adaptive, assert_same_grads, chainer, grads, is_power_of_two,
+from chainer_helpers import (LOUD, MODELS, adaptive, assert_same_grads, chainer, grads, is_power_of_two,
                                   plain_grads, scaled_backward, seeded_model)
 
 from adaloss_cli.backends.chainer import models  # noqa: E402

@@ -20,7 +20,7 @@ from adaloss_cli.results.run_writer import METRICS_COLUMNS, SCALES_COLUMNS
 from adaloss_cli.results.locks import LOCK_FILE
 from adaloss_cli.results.rundir import MARKER, RUN_FILES
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

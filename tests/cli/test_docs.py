@@ -12,7 +12,7 @@ from adaloss_cli.config.docs import (
     MARKER_END, MARKER_START, config_table_markdown, format_default, main, replace_table_block, table_block)
 from adaloss_cli.config.schema import iter_fields
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def rows() -> dict[str, list[str]]:

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from adaloss_cli.cli import cli
 from adaloss_cli.commands.compare import expand_seeds, parse_seeds
-from adaloss_cli.results.methods import parse_method
+from adaloss_cli.runs.methods import parse_method
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from adaloss_cli.cli import cli
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

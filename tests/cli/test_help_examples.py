@@ -11,8 +11,8 @@ import pytest
 
 from adaloss_cli.cli import COMMANDS, cli
 from adaloss_cli.config import load_config
-from adaloss_cli.results.methods import parse_methods
-from adaloss_cli.results.sweep import load_sweep
+from adaloss_cli.runs.methods import parse_methods
+from adaloss_cli.runs.sweep import load_sweep
 
 SHELL_OPERATORS = {">", ">>", "|", "&&", ";"}
 
@@ -89,7 +89,7 @@ def test_every_help_example_parses_and_validates_from_an_empty_folder(invoke, tm
 def test_every_readme_command_parses():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     blocks = [block.split("```", 1)[0] for block in text.split("```sh\n")[1:]]
     commands = examples("\n".join(blocks).replace("\\\n", " "))
     assert len(commands) >= 15

@@ -92,7 +92,7 @@ def worker(tmp_path_factory) -> dict:
     """Launch distributed_worker.py as a 2-process torchrun worker once; its results per rank and its output folder."""
     out = tmp_path_factory.mktemp("dist")
     started = time.perf_counter()
-    script = Path(__file__).resolve().with_name("distributed_worker.py")
+    script = Path(__file__).resolve().parents[1] / "distributed_worker.py"
     proc = subprocess.run(torchrun(str(script), "--worker", str(out)), env=dist_env(),
                           capture_output=True, text=True, timeout=300, cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -12,7 +12,7 @@ import pytest
 from adaloss_cli.config import load_config_dict
 from adaloss_cli.data import BatchStream, load_dataset
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

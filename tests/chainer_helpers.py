@@ -1,6 +1,5 @@
-"""Helpers shared by the Chainer test files (no tests here): skip cleanly without Chainer, seeded zoo models, plain
-Chainer gradients, an adaptive scaler and its scaled backward. Named test_chainer_* so that it sits with the files it
-serves."""
+"""Helpers shared by the Chainer test files of ``library/chainer`` and ``backends`` (no tests here): skip cleanly
+without Chainer, seeded zoo models, plain Chainer gradients, an adaptive scaler and its scaled backward."""
 
 from __future__ import annotations
 
@@ -9,11 +8,11 @@ import copy
 import numpy as np
 import pytest
 
-_compat = pytest.importorskip("adaloss.chainer.compat")
-if not _compat.is_chainer_available():
+compat = pytest.importorskip("adaloss.chainer.compat")
+if not compat.is_chainer_available():
     pytest.skip("Chainer is not installed (pip install 'adaloss[chainer]')", allow_module_level=True)
 try:
-    chainer = _compat.import_chainer()
+    chainer = compat.import_chainer()
 except ImportError as err:  # installed but unusable here (e.g. numpy 2 or Python 3.12)
     pytest.skip(str(err), allow_module_level=True)
 

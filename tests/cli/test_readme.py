@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_library_example_runs_as_written(capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "check_wheel.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "check_wheel.sh"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from adaloss.errors import DoubleBackwardError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wgan_gp.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "wgan_gp.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

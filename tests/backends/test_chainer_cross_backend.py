@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from test_chainer_support import LOUD, chainer
+from chainer_helpers import LOUD, chainer
 
 torch = pytest.importorskip("torch")
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
+from helpers import write_config
 
 pytest.importorskip("torch")
 
 from adaloss_cli.results.run_writer import LM_METRICS_COLUMNS, METRICS_COLUMNS, RunWriter  # noqa: E402
-from tests.test_reliability import TIMING_KEYS, adaloss, comparable_steps, final_state, wait_for_steps  # noqa: E402
+from test_reliability import TIMING_KEYS, adaloss, comparable_steps, final_state, wait_for_steps  # noqa: E402
 
 # Tiny and fast: a one-block GPT over 8-token windows, a 1% validation tail (about 580 windows).
 GPT = {"model": {"name": "gpt", "width": 16, "layers": 1, "heads": 2},

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_config
+from helpers import write_config
 from test_data import write_cifar10
 from test_reliability import adaloss, resumable_config, wait_for_steps
 

@@ -13,7 +13,7 @@ import pytest
 
 from adaloss_cli.results import files
 from adaloss_cli.results.rundir import MARKER
-from conftest import write_config
+from helpers import write_config
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_chainer_support import adaptive, assert_same_grads, chainer, plain_grads, scaled_backward, seeded_model
+from chainer_helpers import adaptive, assert_same_grads, chainer, plain_grads, scaled_backward, seeded_model
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
 from adaloss_cli.backends.chainer.optimizers import TorchSGD  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 from adaloss_cli.engine import FAULT_ENV
 from adaloss_cli.results.checkpoint_format import save_checkpoint
 from adaloss_cli.results.checkpoints import read_checkpoint
-from tests.conftest import write_config
+from helpers import write_config
 
 METHOD_OPTIONS = {
     "none": {},

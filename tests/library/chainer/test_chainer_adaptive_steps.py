@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 
-from test_chainer_support import LOUD, adaptive, assert_same_grads, chainer, grads, plain_grads, scaled_backward
+from chainer_helpers import LOUD, adaptive, assert_same_grads, chainer, grads, plain_grads, scaled_backward
 
 from adaloss_cli.backends.chainer import models  # noqa: E402
 from adaloss_cli.backends.chainer.optimizers import TorchSGD  # noqa: E402
@@ -67,7 +67,7 @@ def test_iterations_count_updates_not_backward_calls():
 
 def _train_recording_scales(stale_every_step: bool) -> list:
     """Per step of a seeded ResNet-20 (branches, batch norm): (factors, scale table, parameter gradients)."""
-    from test_chainer_support import seeded_model
+    from chainer_helpers import seeded_model
     model, x, t = seeded_model("resnet20")
     scaler = adaptive(model, loss_scale_method="approx_range", update_per_n_iteration=3, u_min=10.0, u_max=1e6,
                       accum_upper_bound=2.0 ** 20)

@@ -20,7 +20,7 @@ from adaloss_cli.backends.torch.models import CifarResNet  # noqa: E402
 from adaloss.torch.scaler import LossScaler  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 
-from conftest import write_config  # noqa: E402
+from helpers import write_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -23,7 +23,7 @@ from adaloss.torch.scaler import LossScaler  # noqa: E402
 from adaloss.torch.modes.eager import EagerMode  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 
-from conftest import write_config  # noqa: E402
+from helpers import write_config  # noqa: E402
 from test_adaptive_torch_device import _forbidding_reads  # noqa: E402
 
 CUDA = torch.cuda.is_available()
