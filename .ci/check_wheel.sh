@@ -12,7 +12,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-TORCH="torch==2.13.0"     # an unpinned torch pulls the newest CUDA build (gigabytes); DESIGN.md section 5
+TORCH="torch==2.13.0"     # an unpinned torch pulls the newest CUDA build (gigabytes); docs/architecture.md 7
 EXTRA_PACKAGES=(lightning accelerate transformers)   # for the README's framework examples
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/adaloss-wheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT

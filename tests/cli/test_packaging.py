@@ -95,3 +95,23 @@ def test_adaloss_chainer_is_the_chainer_library():
 
     assert adaloss.chainer.LossScaler.__module__ == "adaloss.chainer.scaler"
     assert adaloss.chainer.Fork.__module__ == "adaloss.chainer.scale_points"
+
+def test_every_package_folder_is_in_the_wheel():
+    """setup.cfg lists its packages by name: a new subpackage missing there imports in a checkout (an editable
+    install maps whole folders) and fails in the wheel. Every folder with an __init__.py must be listed."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    mapped = {folder.strip(): name.strip() for name, _, folder in
+              (line.partition("=") for line in cfg["options"]["package_dir"].strip().splitlines())}
+    found = set()
+    for init in REPO.glob("**/__init__.py"):
+        folder = init.parent.relative_to(REPO)
+        top = folder.parts[0]
+        if top in ("adaloss", "adaloss_cli"):
+            found.add(".".join(folder.parts))
+        elif top in mapped:
+            found.add(".".join([mapped[top], *folder.parts[1:]]))
+    assert found - listed == set(), "add these to setup.cfg's packages"
