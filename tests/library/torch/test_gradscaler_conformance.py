@@ -62,10 +62,11 @@ OWN_CONTRACT = {
 
 
 def make_scaler(kind: str, model: nn.Module | None, *, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> Any:
+                backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
+                device: str = "cpu") -> Any:
     """The scaler of one kind, from GradScaler's constructor arguments: the only line the ported tests change."""
     if kind == "gradscaler":
-        return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
+        return torch.amp.GradScaler(device, init_scale=init_scale, growth_factor=growth_factor,
                                     backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
     if kind == "none":
         return LossScaler(model, "none", enabled=enabled)
@@ -94,10 +95,10 @@ def expected_scale(kind: str, init_scale: float, growth: float, backoff: float, 
     return init_scale * (growth ** unskipped if unskipped else 1.0) * (backoff ** skipped if skipped else 1.0)
 
 
-def create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
+def create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None, device: str = "cpu"):
     """A module and optimizer to scale, and a control pair with the same parameters that is never scaled."""
-    mod_control = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    mod_scaling = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    mod_control = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(device)
+    mod_scaling = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(device)
     with torch.no_grad():
         for c, s in zip(mod_control.parameters(), mod_scaling.parameters()):
             s.copy_(c)
@@ -106,9 +107,9 @@ def create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD, optimizer_k
             optimizer_ctor(mod_scaling.parameters(), **kwargs))
 
 
-def create_scaling_case(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
-    data = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(4)]
-    return (*create_scaling_models_optimizers(optimizer_ctor, optimizer_kwargs), data, nn.MSELoss(), 2)
+def create_scaling_case(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None, device: str = "cpu"):
+    data = [(torch.randn(8, 8).to(device), torch.randn(8, 8).to(device)) for _ in range(4)]
+    return (*create_scaling_models_optimizers(optimizer_ctor, optimizer_kwargs, device), data, nn.MSELoss(), 2)
 
 
 def run_scaling_case(kind: str, run, unskipped: int, skipped: int, atol: float = 1e-7,
@@ -523,25 +524,39 @@ def test_grad_scaling_autocast_fused_optimizers(kind, optimizer_ctor, optimizer_
     """A fused optimizer (which unscales inside its own step, through the AMP protocol's grad_scale and found_inf)
     against the same optimizer unfused, both under autocast with the same scaler: equal losses, gradients,
     parameters and optimizer states. Adaptive transforms one model, so each model gets a scaler of its own."""
+    _fused_optimizer_case(kind, optimizer_ctor, optimizer_kwargs, separate_unscale, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer_ctor, optimizer_kwargs", FUSED,
+                         ids=lambda v: getattr(v, "__name__", None) or str(v))
+@pytest.mark.parametrize("kind", ["gradscaler", "dynamic", "adaptive"])
+def test_cuda_grad_scaling_autocast_fused_optimizers(kind, optimizer_ctor, optimizer_kwargs):
+    """The AMP protocol on the GPU, where the fused kernels that read grad_scale and found_inf really run."""
+    _fused_optimizer_case(kind, optimizer_ctor, optimizer_kwargs, False, "cuda")
+
+
+def _fused_optimizer_case(kind, optimizer_ctor, optimizer_kwargs, separate_unscale, device):
     torch.manual_seed(0)
     mod_control, mod_scaling, _, opt_scaling, data, loss_fn, _ = create_scaling_case(optimizer_ctor,
-                                                                                    optimizer_kwargs)
+                                                                                    optimizer_kwargs, device)
     opt_control = optimizer_ctor(mod_control.parameters(), lr=1.0, **{**optimizer_kwargs, "fused": False})
     if kind == "adaptive":
-        scaler_control = make_scaler(kind, mod_control, init_scale=128.0)
-        scaler_scaling = make_scaler(kind, mod_scaling, init_scale=128.0)
+        scaler_control = make_scaler(kind, mod_control, init_scale=128.0, device=device)
+        scaler_scaling = make_scaler(kind, mod_scaling, init_scale=128.0, device=device)
     else:
-        scaler_control = scaler_scaling = make_scaler(kind, None, init_scale=128.0)
+        scaler_control = scaler_scaling = make_scaler(kind, None, init_scale=128.0, device=device)
     for inputs, target in data:
         opt_control.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss_control = loss_fn(mod_control(inputs), target)
         scaler_control.scale(loss_control).backward()
         scaler_control.step(opt_control)
         scaler_control.update()
 
         opt_scaling.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss_scaling = loss_fn(mod_scaling(inputs), target)
         scaler_scaling.scale(loss_scaling).backward()
         if separate_unscale:
@@ -609,16 +624,29 @@ def test_grad_scaling_multiple(kind):
     injected into the second model: only its optimizer skips, the scale moves once per iteration (in update), and
     both models end where the unscaled control ends. Adaptive transforms one model per scaler: two scalers, the
     same loop around them."""
+    _multiple_case(kind, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["gradscaler", "dynamic", "adaptive"])
+def test_cuda_grad_scaling_multiple(kind):
+    """Two optimizers on the GPU: each optimizer's flag read on its own, the scale moved once per iteration."""
+    _multiple_case(kind, "cuda")
+
+
+def _multiple_case(kind: str, device: str) -> None:
     for enabled in (True, False):
         torch.manual_seed(0)
-        mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = create_scaling_case()
-        mod_control1, mod_scaling1, opt_control1, opt_scaling1 = create_scaling_models_optimizers()
+        mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = create_scaling_case(
+            device=device)
+        mod_control1, mod_scaling1, opt_control1, opt_scaling1 = create_scaling_models_optimizers(device=device)
         if kind == "adaptive":
             scalers = [make_scaler(kind, m, init_scale=128.0, growth_factor=2.0, growth_interval=1,
-                                   enabled=enabled) for m in (mod_scaling0, mod_scaling1)]
+                                   enabled=enabled, device=device) for m in (mod_scaling0, mod_scaling1)]
         else:
             scalers = [make_scaler(kind, None, init_scale=128.0, growth_factor=2.0, growth_interval=1,
-                                   enabled=enabled)] * 2
+                                   enabled=enabled, device=device)] * 2
 
         def run(model0, model1, optimizer0, optimizer1, try_scaling_api):
             for i, (inputs, target) in enumerate(data):
