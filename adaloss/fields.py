@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Sequence
 
+from adaloss.errors import OptionError
+
 __all__ = ["SYNONYMS", "CheckedOptions", "Issue", "KeyInfo", "allowed", "check_value", "close_matches", "describe", "did_you_mean",
            "field_default", "is_section", "join", "keys_of", "meant_choice", "number", "option", "section", "show"]
 
@@ -253,8 +255,6 @@ class CheckedOptions:
     ordered: ClassVar[tuple] = ()
 
     def __post_init__(self) -> None:
-        from adaloss.errors import OptionError  # (the errors module is the library's; fields imports nothing)
-
         problems = []
         values = {}
         for name, info in keys_of(type(self)).items():

@@ -552,7 +552,6 @@ class LossScaler:
         GradScaler has no field for (hysteresis, floor and ceiling) stay behind."""
         if not self.enabled:
             return {}
-        self._check_between_iterations("state_dict()")
         state: dict[str, Any] = {"method": self.method, "policy": self.policy.state_dict()}
         if self.state is not None:
             state["layers"] = self.state.state_dict_values()
@@ -593,12 +592,6 @@ class LossScaler:
                       growth_tracker=int(saved["_growth_tracker"]))
         return {"method": "dynamic", "policy": policy}
 
-    def _check_between_iterations(self, what: str) -> None:
-        if self._optimizers:
-            raise RuntimeError(f"LossScaler.{what} is only allowed between iterations (before the first step or "
-                               "after update()), as GradScaler's pickling: an optimizer was unscaled or stepped "
-                               "since the last update()")
-
     # -- pickling ----------------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -612,7 +605,10 @@ class LossScaler:
         if self.process_group is not None:
             raise TypeError("a LossScaler with a process_group cannot be pickled: the group cannot travel; save "
                             "scaler.state_dict() and build the scaler again in each process")
-        self._check_between_iterations("pickling")
+        if self._optimizers:
+            raise RuntimeError("LossScaler pickling is only allowed between iterations (before the first step or "
+                               "after update()), as GradScaler's: an optimizer was unscaled or stepped since the "
+                               "last update()")
         return {"config": self.config, "enabled": self.enabled, "state": self.state_dict()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
