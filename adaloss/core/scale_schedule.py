@@ -25,7 +25,7 @@ class ScaleSchedule:
     bound, factor and scale).
     """
 
-    options: Any  # AdaptiveOptions, or None for measure-only
+    options: Any  # AdaptiveScalingConfig, or None for measure-only
     #: Whether factors are computed (False: measure-only).
     adaptive: bool
     #: Whether this iteration recomputes the statistics-based factors (every update_per_n_iteration).

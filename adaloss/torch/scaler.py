@@ -400,7 +400,7 @@ class LossScaler:
         return record.found
 
     def unscale_on_device(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """:meth:`unscale_` without any host read, for a step captured in a CUDA graph (``graphs.GraphedStep``):
+        """:meth:`unscale_` without any host read, for a step captured in a CUDA graph (``modes.cuda_graph.GraphedStep``):
         returns the overflow flag, 0.0 or 1.0, as a 0-d float32 device tensor, for a fused optimizer to skip on."""
         if not self.enabled:
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
