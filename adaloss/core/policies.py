@@ -244,15 +244,19 @@ class AdaptiveGlobal(ScalePolicy):
     def _load_settings(self, state: dict[str, Any]) -> None:
         if "backoff_factor" not in state:  # saved before the knobs were part of the state
             return
-        backoff, interval = float(state["backoff_factor"]), int(state["growth_interval"])
-        growth, on_overflow = float(state["growth_factor"]), str(state["on_overflow"])
-        if not 0.0 < backoff <= 1.0 or growth < 1.0 or interval < 1 or on_overflow not in ("skip", "retry"):
-            raise UserError(f"Cannot load adaptive loss-scaling state: backoff_factor {backoff!r} must be in (0, 1], "
-                            f"growth_factor {growth!r} >= 1, growth_interval {interval!r} >= 1, on_overflow "
-                            f"{on_overflow!r} skip or retry")
-        self.set_scale(float(state["scale"]))
-        self.backoff_factor, self.growth_factor, self.growth_interval = backoff, growth, interval
-        self.on_overflow, self.max_retries = on_overflow, int(state["max_retries"])
+        from adaloss.options import AdaptiveScalingConfig  # (the options import the core)
+
+        # Each knob checked by its config field (an OptionError lists every bad one); growth_factor has none.
+        saved = AdaptiveScalingConfig(init_scale=state["scale"], backoff_factor=state["backoff_factor"],
+                                      growth_interval=state["growth_interval"], on_overflow=state["on_overflow"],
+                                      max_retries=state["max_retries"])
+        growth = float(state["growth_factor"])
+        if not growth >= 1.0:
+            raise UserError(f"Cannot load adaptive loss-scaling state: growth_factor {growth!r} must be >= 1")
+        self.set_scale(saved.init_scale)
+        self.backoff_factor, self.growth_factor = saved.backoff_factor, growth
+        self.growth_interval = saved.growth_interval
+        self.on_overflow, self.max_retries = saved.on_overflow, saved.max_retries
 
     def _state(self) -> dict[str, Any]:
         return {"headroom": self._headroom, "growth_tracker": self._growth_tracker}
@@ -397,9 +401,14 @@ class DynamicScaling(ScalePolicy):
     def _load_settings(self, state: dict[str, Any]) -> None:
         if "growth_factor" not in state:  # saved before the knobs were part of the state
             return
+        from adaloss.options import CONFIG_KNOBS, DynamicScalingConfig  # (the options import the core)
+
         knobs = {key: state.get(key, value) for key, value in self.knobs.items()}
         preset = str(state.get("preset", self.preset))
-        problems = dynamic_problems(knobs, preset) + _knob_range_problems(knobs)
+        # Each knob checked by its config field (an OptionError lists every bad one), then across knobs.
+        DynamicScalingConfig(preset=preset, **{key: knobs[key] for key in CONFIG_KNOBS})
+        knobs["smooth_growth"] = bool(knobs["smooth_growth"])
+        problems = dynamic_problems(knobs, preset)
         if problems:
             raise UserError("Cannot load dynamic loss-scaling state:\n  " + "\n  ".join(problems))
         self.preset = preset
@@ -418,23 +427,6 @@ class DynamicScaling(ScalePolicy):
 
     def __repr__(self) -> str:
         return f"DynamicScaling(preset={self.preset!r}, scale={self._scale!r})"
-
-
-def _knob_range_problems(knobs: dict[str, Any]) -> list[str]:
-    """What the config schema checks field by field, for knobs that come from elsewhere (a state dict)."""
-    problems = []
-    for key in ("init_scale", "min_scale", "max_scale"):
-        value = knobs[key]
-        if value is not None and not 0.0 < value <= FLOAT32_MAX:
-            problems.append(f"{key} {value!r} must be in (0, {FLOAT32_MAX:g}]")
-    if not knobs["growth_factor"] >= 1.0:
-        problems.append(f"growth_factor {knobs['growth_factor']!r} must be >= 1")
-    if not 0.0 < knobs["backoff_factor"] <= 1.0:
-        problems.append(f"backoff_factor {knobs['backoff_factor']!r} must be in (0, 1]")
-    for key in ("growth_interval", "hysteresis", "max_retries"):
-        if int(knobs[key]) < 1:
-            problems.append(f"{key} {knobs[key]!r} must be >= 1")
-    return problems
 
 
 def _dynamic_from_config(cfg: LossScalingConfig) -> DynamicScaling:

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from adaloss.options import AdaptiveScalingConfig, DYNAMIC_PRESETS, DynamicScalingConfig, FixedScalingConfig, LossScalingConfig, SCALING_METHODS
+from adaloss.options import (DYNAMIC_PRESETS, SCALING_METHODS, AdaptiveScalingConfig, DynamicScalingConfig,
+                             FixedScalingConfig, LossScalingConfig)
 from adaloss.core.policies import (AdaptiveGlobal, DynamicScaling, FixedScaling, NoScaling, StepAction,
                                    build_policy)
 from adaloss.core.presets import PRESETS, dynamic_problems
@@ -178,10 +179,17 @@ def test_a_state_dict_carries_the_knobs_and_loading_it_restores_them():
 
 
 def test_a_state_dict_with_impossible_knobs_is_refused_by_name():
+    """A state dict is data from a file: its knobs get the config fields' checks and words."""
     state = dynamic("pytorch").state_dict()
-    state["backoff_factor"] = 2.0
-    with pytest.raises(UserError, match="backoff_factor 2.0 must be in"):
+    state["backoff_factor"], state["on_floor"] = 2.0, "explode"
+    with pytest.raises(UserError, match=r"(?s)dynamic.backoff_factor: got 2.0; must be a number > 0 and <= 1.*"
+                                        r"dynamic.on_floor: got 'explode'; must be one of: clamp, raise"):
         dynamic("pytorch").load_state_dict(state)
+    adaptive = build_policy(LossScalingConfig(method="adaptive"))
+    state = adaptive.state_dict()
+    state["growth_interval"] = 0
+    with pytest.raises(UserError, match=r"adaptive.growth_interval: got 0; must be an integer >= 1"):
+        adaptive.load_state_dict(state)
 
 
 @pytest.mark.parametrize("method", SCALING_METHODS)
