@@ -129,28 +129,37 @@ def weight_gradient_bound_with(ops: Float32Ops, gy: Any, x_bound: Any, u_max: fl
     return sops.where(sops.positive_finite(s), s, c(1.0))
 
 
-def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0) -> Any:
+def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0, fold: Any = None) -> Any:
     """The factor for the loss gradient at the model output, before it is cast from float32 to ``target_dtype``.
 
     The cast is element-wise, so the exact rule is cheap: the factor that brings max|g| to h * u_max / 2 (one power
     of two of margin), divided by ``accum_upper_bound`` when that is set (the layers below may then add that much,
     as in the paper). Power of two when ``power_of_two``; 1 for an all-zero or non-finite g. Starting every backward
     at the top of the range is what GradScaler-style dynamic scaling reaches only after growing into it.
+
+    ``fold`` (an accumulation guard's, ``adaloss/torch/accumulation.py``): the backward below sums up to that many
+    terms of g into one element in ``target_dtype``. The factor then only shrinks g, as far as the sum needs:
+    min(1, h * u_max / (2 * fold * max|g|)), without the accumulated cap (a guard only ever lowers A).
     """
     ops = ops_for(g)
     with ops.quiet():
-        return ops.from_scalar(output_factor_with(ops, g, target_dtype, opts, headroom))
+        return ops.from_scalar(output_factor_with(ops, g, target_dtype, opts, headroom, fold))
 
 
-def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float) -> Any:
+def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float,
+                       fold: Any = None) -> Any:
     """:func:`output_factor` in the namespace ``ops`` of g (the caller is inside ``ops.quiet()``)."""
     sops = ops.scalars
     c = sops.const
     if math.prod(g.shape) == 0:
         return c(1.0)
     target = opts.range_for(target_dtype)[1] * headroom / 2.0
-    if opts.accum_upper_bound is not None:
+    if fold is None and opts.accum_upper_bound is not None:
         target /= opts.accum_upper_bound
     s = c(target) / abs_max_value(ops, g)
+    if fold is not None:  # a number, or a value of ops.scalars (an attention guard's, from its operands)
+        s = s / (c(float(fold)) if isinstance(fold, (int, float)) else fold)
     s = sops.where(sops.positive_finite(s), s, c(1.0))
+    if fold is not None:
+        s = sops.minimum(s, c(1.0))
     return sops.floor_power_of_two(s) if opts.power_of_two else s

@@ -160,9 +160,11 @@ def refresh_branch(grads: list, scales: list, cache: Any, *, limit: float) -> li
     return multipliers
 
 
-def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any) -> Any:
+def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dtype: Any, cache: Any,
+                      fold: Any = None) -> Any:
     """The output point's backward bookkeeping: its factor (None in measure-only mode), refreshed with the layer
-    statistics into ``cache`` (a 0-d float32 array) by :func:`refresh_output`, and A * s written to ``in_slot``."""
+    statistics into ``cache`` (a 0-d float32 array) by :func:`refresh_output`, and A * s written to ``in_slot``.
+    ``fold``: see :func:`~.range_bounds.output_factor` (an accumulation guard's)."""
     if state.reuse:
         return cache
     table = state.scale_arrays()[0]
@@ -170,15 +172,19 @@ def output_scale_step(state: Any, in_slot: int, out_slot: int, g: Any, target_dt
         table[in_slot] = table[out_slot]
         return None
     if state.refresh:
-        refresh_output(g, cache, target_dtype=target_dtype, options=state.options,
-                                    headroom=state.headroom)
+        refresh_output(g, cache, target_dtype=target_dtype, options=state.options, headroom=state.headroom,
+                       fold=fold)
     table[in_slot] = table[out_slot] * cache
     return cache
 
 
-def refresh_output(g: Any, cache: Any, *, target_dtype: Any, options: Any, headroom: float) -> None:
+def refresh_output(g: Any, cache: Any, *, target_dtype: Any, options: Any, headroom: float,
+                   fold: Any = None) -> None:
     """An output point's refresh: the factor that brings g's largest magnitude to the top of ``target_dtype``'s
-    range (less the headroom), written to ``cache``."""
+    range (less the headroom, divided by ``fold``: a number, or a function of the array namespace giving one),
+    written to ``cache``."""
     ops = ops_for(g)
     with ops.quiet():
-        cache[...] = output_factor_with(ops, g, target_dtype, options, headroom)
+        if callable(fold):  # statistics of its own (an attention guard's): taken on refreshes only
+            fold = fold(ops)
+        cache[...] = output_factor_with(ops, g, target_dtype, options, headroom, fold)

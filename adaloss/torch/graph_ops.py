@@ -18,8 +18,8 @@ from adaloss.errors import TransformError
 
 from .points import ConvPoint, LinearPoint, MatmulPoint
 
-__all__ = ["NORMS", "buffer_nodes", "carries_grad", "example", "functionalize", "is_view",
-           "match_scale_point", "namer", "parameter_derived", "parameter_nodes", "refuse_opaque_subgraphs"]
+__all__ = ["NORMS", "buffer_nodes", "carries_grad", "example", "functionalize", "is_view", "match_scale_point",
+           "module_path", "namer", "parameter_derived", "parameter_nodes", "refuse_opaque_subgraphs"]
 
 
 
@@ -271,7 +271,7 @@ def namer(params: dict[fx.Node, str]):
             root = root.args[0]
         param_name = params.get(root, root.name)
         stack = node.meta.get("nn_module_stack") or {}
-        path = _module_path(list(stack.values())[-1][0]) if stack else ""
+        path = module_path(list(stack.values())[-1][0]) if stack else ""
         if path and not param_name.startswith(path + "."):
             return path  # a module using another's parameter (a tied head): named after the caller
         for suffix in (".weight", "_weight", ".bias", "_bias"):
@@ -281,7 +281,7 @@ def namer(params: dict[fx.Node, str]):
     return name_of
 
 
-def _module_path(dynamo_path: str) -> str:
+def module_path(dynamo_path: str) -> str:
     """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule)."""
     _, _, rest = dynamo_path.partition("].")
     return rest if "]" in dynamo_path else dynamo_path

@@ -29,8 +29,9 @@ from torch import fx, nn
 
 from adaloss.errors import TransformError
 
-from .graph_ops import (NORMS, buffer_nodes, carries_grad, example, functionalize,
-                        match_scale_point, namer, parameter_derived, parameter_nodes, refuse_opaque_subgraphs)
+from .accumulation import ATTENTION, fold_of
+from .graph_ops import (NORMS, buffer_nodes, carries_grad, example, functionalize, match_scale_point, module_path,
+                        namer, parameter_derived, parameter_nodes, refuse_opaque_subgraphs)
 from .points import ScalePoint
 from .scale_ops import Begin, BranchPoint, InputPoint, OutputPoint, ParamUse
 from .scale_state import GraphPlan, ScaleState
@@ -84,6 +85,8 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     points = _insert_scale_points(gm, adaloss, derived, names_of=namer(params))
     uses = _insert_parameter_uses(gm, adaloss, derived, params, points)
     outputs = _insert_output_points(gm, adaloss, begin)
+    if _pure_capture(state):
+        outputs.update(_insert_accumulation_guards(gm, adaloss, begin, uses))
     outputs.update(_insert_widening_points(gm, adaloss, begin, derived))
     inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_set)
     branches = _insert_joins_and_branches(gm, adaloss, begin, derived, state)
@@ -185,6 +188,16 @@ def _root_name(node: fx.Node, params: dict[fx.Node, str]) -> str:
     return params.get(node, node.name)
 
 
+def _guard_name(user: fx.Node, use: ParamUse | None) -> str:
+    """``tok.weight:sum`` for a parameter use's guard, ``blocks.0.attn:attention`` for an attention's (its module's
+    path), else the node's name."""
+    if use is not None:
+        return f"{'+'.join(use.names)}:sum"
+    stack = user.meta.get("nn_module_stack") or {}
+    path = module_path(list(stack.values())[-1][0]) if stack else user.name
+    return f"{path}:attention"
+
+
 def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node) -> dict[fx.Node, OutputPoint]:
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
@@ -206,6 +219,50 @@ def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.N
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _pure_capture(state: ScaleState) -> bool:
+    """Whether this graph is captured for the pure low-precision mode (casts inside the graph, no autocast): the
+    only mode in which a parameter use's backward sums its gradient in the low precision."""
+    return state.pure_dtype in _LOW_PRECISION and not torch.is_autocast_enabled(state.device.type)
+
+
+def _insert_accumulation_guards(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node,
+                                uses: dict[fx.Node, ParamUse]) -> dict[fx.Node, OutputPoint]:
+    """An accumulation guard (``accumulation.py``) on the output of every parameter use's operation whose backward
+    sums the parameter's gradient over positions, and of every attention, between the operation and all of its
+    consumers (an attention's guard also reads its q, k and v)."""
+    graph = gm.graph
+    made: dict[fx.Node, OutputPoint] = {}
+    for user in list(graph.nodes):
+        if user in uses:
+            operands = [a for a in user.all_input_nodes if a.op == "call_function" and a.target is operator.getitem
+                        and str(a.args[0].target).startswith("adaloss.params.")]
+            read: tuple = ()
+        elif user.op == "call_function" and user.target in ATTENTION:
+            operands = []
+            read = tuple(user.args[:3]) + tuple(user.kwargs[k] for k in ("query", "key", "value")[len(user.args):])
+        else:
+            continue
+        fold = fold_of(user, operands, example)
+        if fold is None or not carries_grad(user):
+            continue
+        point = OutputPoint(adaloss.state, _guard_name(user, uses.get(user)), record=False, fold=fold)
+        point.in_slot = adaloss.new_slot()
+        adaloss.outputs.append(point)
+        consumers = list(user.users)
+        detached = []
+        with graph.inserting_before(user):
+            for operand in read:  # read, not differentiated: no gradient use of q, k or v (no branch)
+                detached.append(graph.call_method("detach", (operand,)))
+                detached[-1].meta["example_value"] = example(operand).detach()
+        with graph.inserting_after(user):
+            guard = graph.call_module(f"adaloss.outputs.{len(adaloss.outputs) - 1}", (begin, user, *detached))
+        guard.meta["example_value"] = example(user)
+        for consumer in consumers:
+            consumer.replace_input_with(user, guard)
+        made[guard] = point
+    return made
 
 
 def _insert_widening_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node,
@@ -288,7 +345,7 @@ def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin:
                     "scaling cannot bring their gradients to one scale: use one of its outputs, or another method")
             if len(items) > 1:
                 made.update(_insert_point(graph, adaloss, state, begin, items, f"{node.name}", join=True))
-    skipped = ("adaloss.branches", "adaloss.begin", "adaloss.params", "adaloss.outputs")
+    skipped = ("adaloss.branches", "adaloss.begin", "adaloss.params")
     for node in list(graph.nodes):
         if node.op in ("output", "get_attr") or node in derived or str(node.target).startswith(skipped):
             continue

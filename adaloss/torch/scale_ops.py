@@ -32,6 +32,7 @@ from torch import nn
 from adaloss.core.adaptive_stats import underflow_fraction
 from adaloss.core.scale_steps import branch_scale_step, output_scale_step
 
+from .accumulation import AccumulationFold
 from .scale_state import Execution, GraphPlan, ScaleState
 
 __all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "compute_dtype", "multiply"]
@@ -249,24 +250,27 @@ class BranchPoint(nn.Module):
 
 class _Output(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, point: "OutputPoint", execution: Execution, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, point: "OutputPoint", execution: Execution, y: torch.Tensor,
+                *operands: torch.Tensor) -> torch.Tensor:
         ctx.point, ctx.execution, ctx.dtype = point, execution, y.dtype
-        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+        ctx.save_for_backward(*operands)
+        return point.passed(y)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         execution, point = ctx.execution, ctx.point
+        unused = (None,) * len(ctx.saved_tensors)
         if execution.reference_pass:
-            return None, None, g.to(ctx.dtype)
+            return None, None, g.to(ctx.dtype), *unused
         execution.started_backward()
         factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype,
-                                   execution.cache_view(point.name))
+                                   execution.cache_view(point.name), point.fold_for(g, ctx.saved_tensors))
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)
         if point.record and execution.recording:
             point.state.output_records[point.name] = underflow_fraction(cast, scaled, 1.0,
                                                                         torch.finfo(cast.dtype).smallest_normal)
-        return None, None, cast
+        return None, None, cast, *unused
 
 
 class OutputPoint(nn.Module):
@@ -278,21 +282,43 @@ class OutputPoint(nn.Module):
     loss gradient (slot 0). Inside the model the same happens wherever an operation computes in float32 from a
     low-precision input (autocast's float32 ops: layer norm, softmax; a residual stream kept in float32): their
     backward can amplify a gradient beyond fp16's range before it is cast back (a layer norm divides by the
-    standard deviation), which this point catches first (``out_slot``: the scale of that operation's gradient)."""
+    standard deviation), which this point catches first (``out_slot``: the scale of that operation's gradient).
 
-    def __init__(self, state: ScaleState, name: str, record: bool = True) -> None:
+    With a ``fold`` it is an *accumulation guard* instead (``accumulation.py``): on the output of an operation
+    whose backward sums up to ``fold`` terms of its output gradient into one low-precision element (an embedding's
+    scatter-add, a broadcast parameter's sum over the batch, attention's sums over the sequence), the value passes
+    unchanged and the gradient is only ever scaled down, as far as that sum needs to stay in range."""
+
+    def __init__(self, state: ScaleState, name: str, record: bool = True,
+                 fold: AccumulationFold | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "state", state)
-        self.name, self.record = name, record
+        self.name, self.record, self.fold = name, record and fold is None, fold
         self.in_slot = self.out_slot = 0
 
-    def forward(self, execution: Execution, y: torch.Tensor) -> torch.Tensor:
+    def passed(self, y: torch.Tensor) -> torch.Tensor:
+        """What forward hands on: a low-precision value widened to float32 (a guard's as it is, as a view)."""
+        if self.fold is None and y.dtype in (torch.float16, torch.bfloat16):
+            return y.float()
+        return y.view_as(y)
+
+    def fold_for(self, g: torch.Tensor, operands: tuple = ()) -> Any:
+        """The guard's fold for gradient g (None: an output or widening point): a number, or for a guard that
+        reads its operands (attention's q, k, v) a function of the array namespace, called on refreshes only."""
+        if self.fold is None:
+            return None
+        if operands:
+            return lambda ops: self.fold(ops, g, operands)
+        return self.fold(None, g)
+
+    def forward(self, execution: Execution, y: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and y.requires_grad):
-            return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
-        return _Output.apply(self, execution, y)
+            return y if self.fold is not None else self.passed(y)
+        return _Output.apply(self, execution, y, *operands)
 
     def extra_repr(self) -> str:
-        return f"{self.name}: slots {self.out_slot}->{self.in_slot}"
+        kind = f", accumulation guard ({self.fold.kind})" if self.fold is not None else ""
+        return f"{self.name}: slots {self.out_slot}->{self.in_slot}{kind}"
 
 
 class _Input(torch.autograd.Function):

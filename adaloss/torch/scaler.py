@@ -143,7 +143,13 @@ class LossScaler:
 
     def set_pure_dtype(self, dtype: torch.dtype | None) -> None:
         """The pure low-precision mode (no autocast): the transformed graph casts floating inputs and parameters to
-        ``dtype`` itself (normalisation parameters stay float32). Only adaptive and measuring graphs use it."""
+        ``dtype`` itself (normalisation parameters stay float32). Only adaptive and measuring graphs use it.
+
+        Call it before the model's first forward: the graph captured then carries what the pure mode needs (the
+        accumulation guards of docs/algorithm.md 2.4), so a graph captured for another mode is refused."""
+        if self.state is not None and self.state.graphs and dtype != self.state.pure_dtype:
+            raise RuntimeError("LossScaler.set_pure_dtype must be called before the model's first forward: its graph "
+                               "was captured for another precision mode")
         for state in (self.state, self._measuring_state):
             if state is not None:
                 state.pure_dtype = dtype

@@ -198,22 +198,25 @@ class _RefreshMerge(torch.autograd.Function):
 class _RefreshOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, point: OutputPoint, trace: _Trace, c: torch.Tensor, sink: torch.Tensor,
-                y: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(c)
+                y: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c, *operands)
         ctx.point, ctx.trace, ctx.dtype = point, trace, y.dtype
-        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+        return point.passed(y)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        (c,) = ctx.saved_tensors
+        c, *operands = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         with autocast_off(g.device.type):
-            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom)
+            ops = ops_for(g)
+            fold = point.fold_for(g, tuple(operands))
+            factor = output_factor_with(ops, g, ctx.dtype, trace.options, trace.headroom,
+                                        fold(ops) if callable(fold) else fold)
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
                                     (trace.writes.cache_base[point.name], factor)])
-        return None, None, None, sink, times(g, factor).to(ctx.dtype)
+        return None, None, None, sink, times(g, factor).to(ctx.dtype), *(None for _ in operands)
 
 
 class _RefreshParamUse(torch.autograd.Function):
@@ -264,7 +267,7 @@ def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callab
         if isinstance(module, BranchPoint):
             return lambda shared, *xs: _RefreshMerge.apply(module, trace, *shared, *xs)
         if isinstance(module, OutputPoint):
-            return lambda shared, y: _RefreshOutput.apply(module, trace, *shared, y)
+            return lambda shared, y, *operands: _RefreshOutput.apply(module, trace, *shared, y, *operands)
         if isinstance(module, InputPoint):
             cast = dtype if pure else None
             return lambda shared, x: _RefreshInput.apply(module, trace, cast, shared[0], x)

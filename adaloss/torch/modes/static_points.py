@@ -172,15 +172,16 @@ class _StaticMerge(torch.autograd.Function):
 
 class _StaticOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, at: int, c: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, point: OutputPoint, at: int, c: torch.Tensor, y: torch.Tensor,
+                *operands: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(c)
-        ctx.at, ctx.dtype = at, y.dtype
-        return y.float() if y.dtype in (torch.float16, torch.bfloat16) else y.view_as(y)
+        ctx.at, ctx.dtype, ctx.unused = at, y.dtype, (None,) * len(operands)
+        return point.passed(y)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (c,) = ctx.saved_tensors
-        return None, None, times(g, c[ctx.at]).to(ctx.dtype)
+        return None, None, None, times(g, c[ctx.at]).to(ctx.dtype), *ctx.unused
 
 
 class _StaticInput(torch.autograd.Function):
@@ -219,7 +220,7 @@ def reuse_call(module: Any, layout: Layout, dtype: torch.dtype | None, pure: boo
         return lambda c, *xs: _StaticMerge.apply(at, copies, summed, c, *xs)
     if isinstance(module, OutputPoint):
         at = layout.add(("cache", module.name))
-        return lambda c, y: _StaticOutput.apply(at, c, y)
+        return lambda c, y, *operands: _StaticOutput.apply(module, at, c, y, *operands)
     if isinstance(module, InputPoint):
         at = layout.add(("table", module.slot), ("table", 0))
         cast = dtype if pure else None

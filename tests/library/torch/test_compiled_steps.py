@@ -45,6 +45,10 @@ class _Net(nn.Module):
     """Every kind of inserted point: scale points (conv, linear), parameter uses (batch and layer norm), branches
     (the residuals), widening output points (layer norm under autocast), an output point and an input point."""
 
+    #: What a compiled step between refreshes applies: 4 per scale point (4), one per norm's parameter use (2), one
+    #: per gradient a branch merges (2), the output point's and the input point's.
+    coefficients = 4 * 4 + 2 + 2 + 1 + 1
+
     def __init__(self, width: int = 8) -> None:
         super().__init__()
         self.stem = nn.Conv2d(1, width, 3, padding=1)
@@ -54,6 +58,17 @@ class _Net(nn.Module):
 
     def forward(self, x):
         return self.fc(self.ln(self.block(self.stem(x)).mean((2, 3))))
+
+
+class _Attending(_Net):
+    """The pixels of the block's output attend to each other: in the pure fp16 mode the compiled steps carry the
+    accumulation guards of the norms' parameter uses and of the attention (which reads q, k and v)."""
+
+    coefficients = _Net.coefficients + 3 + 3  # the three guards; q, k and v are one value used three times
+
+    def forward(self, x):
+        seq = self.block(self.stem(x)).flatten(2).transpose(1, 2)
+        return self.fc(self.ln(F.scaled_dot_product_attention(seq, seq, seq).mean(1)))
 
 
 class _TwoHeads(_Net):
@@ -107,7 +122,7 @@ def _stored(state):
     return arrays, {k: v.clone() for k, v in state.caches.items()}, [e.table.clone() for e in state._active]
 
 
-def _check_coefficients(state, graph):
+def _check_coefficients(state, graph, expected: int):
     """The vector a compiled step between refreshes applies, entry by entry, against the state it came from: a
     scale point's factors and scales, a branch's multipliers (its common scale over each consumer's), the output
     point's factor and the input point's scale ratio."""
@@ -128,11 +143,11 @@ def _check_coefficients(state, graph):
         assert value == pytest.approx(read(numerator) / read(denominator), rel=1e-7)
     kinds = {kind for pair in graph.layout.pairs for kind, _ in pair}
     assert kinds == {"factor", "weight_factor", "weight_scale", "table", "cache", "one"}
-    # 4 scale points, 2 norms' parameter uses, a branch of 2, the output point and the input point; on CUDA,
-    # whose autocast runs layer norm in float32 (CPU's does not), also the widening output point before it
+    # the net's own count (``coefficients``); on CUDA, whose autocast runs layer norm in float32 (CPU's does not),
+    # also the widening output point before it
     widening = sum(name.endswith(":float32") for name in state.caches)
     assert widening <= 1
-    assert len(values) == 4 * 4 + 2 + 2 + 1 + 1 + widening
+    assert len(values) == expected + widening
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
@@ -171,7 +186,7 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
             # In float32 stale coefficients would still give the true gradients (factors and scales cancel), so
             # the applied vector is checked against the state itself.
             for graph in (g for g in state.mode.graphs if g.layout is not None):
-                _check_coefficients(state, graph)
+                _check_coefficients(state, graph, net.coefficients)
             factors_seen.append(state.arrays["factor"][:len(state.names)].clone())
         stored = _stored(state)
         state._active = []
@@ -220,6 +235,13 @@ def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autoca
     # On the device path (what CUDA runs), where the compiled steps must read no value back.
     with device_scalars():
         _compare_with_eager("cpu", torch.float16, rtol=1e-2, forbid_reads=True)
+
+
+def test_compiled_steps_give_the_eager_gradients_and_guards_in_pure_fp16():
+    with device_scalars():
+        scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, steps=4, pure=True, net=_Attending)
+    guards = [name for name in scaler.state.caches if name.endswith((":sum", ":attention"))]
+    assert len(guards) == 3, guards  # batch norm, layer norm, attention
 
 
 def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch):
