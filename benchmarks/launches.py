@@ -13,6 +13,12 @@ tensors under ``torch.profiler``, and
   ``-compiled`` variants, counted when asked for) adds each generated kernel it runs, as one launch: they are compiled with ``cpp.enable_kernel_profile``, so
   the profiler names every C++ kernel run (``..._cpp_fused_...``), where CUDA would run one Triton kernel per fused
   group. The extern kernels a compiled graph calls (GEMM, convolution) are ATen operations, counted as such;
+- ``bytes``: the bytes the leaf operations read (every tensor operand of each operation that launches a kernel,
+  from the profiler's recorded shapes and dtypes): the memory traffic a launch count does not see, and what a
+  refresh's statistics passes and scaled gradient copies cost a GPU (each reads a whole activation gradient; what
+  an operation writes is read by the next, so reads alone rank the variants). Code Inductor generated runs as
+  one C++ call whose operands the profiler does not record: for the ``-compiled`` variants only the extern kernels
+  (GEMM, convolution) are counted, a lower bound;
 - ``host_reads``: reads of device values to the host (``item``, ``tolist``): one per step for every variant, the
   skip decision; adaptive scaling's factors for the steps between refreshes travel in that same read;
 - ``host ms`` (:func:`host_times`): the time of a step on the same code path at the ``--quick`` sizes, where CPU
@@ -60,6 +66,7 @@ def count_step(step: Any) -> dict[str, Any]:
     reads = len(lists)
     events = [event for event in prof.events() if not _cpu_only(event)]
     leaves: Counter = Counter()
+    read: Counter = Counter()
     ops = 0
     for event in events:
         if _GENERATED_KERNEL in event.name:  # one kernel Inductor generated (see the module docstring)
@@ -69,11 +76,36 @@ def count_step(step: Any) -> dict[str, Any]:
         ops += 1
         name = event.name[len("aten::"):]
         reads += name == "_local_scalar_dense"
-        if name not in _NO_KERNEL and not any(c.name.startswith("aten::") and not _cpu_only(c)
-                                              for c in event.cpu_children):
+        if name not in _NO_KERNEL and not any(_works(c) for c in event.cpu_children):
             leaves[name] += 1
+            read[name] += _operand_bytes(event)
     return {"ops": ops, "launches": sum(leaves.values()), "generated": leaves["(generated)"], "host_reads": reads,
-            "top": leaves.most_common(8)}
+            "bytes": sum(read.values()), "top": leaves.most_common(8), "top_bytes": read.most_common(6)}
+
+
+def _works(event: Any) -> bool:
+    """Whether an ATen event launches a kernel itself or through an operation inside it (a GEMM whose only children
+    are ``resolve_conj`` views launches one)."""
+    if not event.name.startswith("aten::") or _cpu_only(event):
+        return False
+    return event.name[len("aten::"):] not in _NO_KERNEL or any(_works(c) for c in event.cpu_children)
+
+
+#: Element sizes of the dtype names the profiler records.
+_ITEM_BYTES = {"c10::Half": 2, "c10::BFloat16": 2, "float": 4, "double": 8, "long int": 8, "int": 4, "bool": 1,
+               "short int": 2, "signed char": 1, "unsigned char": 1}
+
+
+def _operand_bytes(event: Any) -> int:
+    """The bytes of an operation's tensor operands (0-d ones, numbers and lists left out)."""
+    total = 0
+    for shape, dtype in zip(event.input_shapes, event.input_dtypes):
+        if isinstance(shape, list) and shape and all(isinstance(n, int) for n in shape) and dtype in _ITEM_BYTES:
+            size = 1
+            for n in shape:
+                size *= n
+            total += size * _ITEM_BYTES[dtype]
+    return total
 
 
 def _cpu_only(event: Any) -> bool:
@@ -167,11 +199,11 @@ def report(model: str, counts: dict[str, dict[str, Any]], reference: str,
     base = counts[reference]
     print(f"\n{model}: operations per step on the CUDA code path (counted on CPU; a proxy for launch-bound GPU time)"
           + ("; host time per step at --quick sizes (a proxy for host-bound GPU time)" if host else ""))
-    print(f"  {'variant':<22} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'host reads':>11}"
-          + (f" {'host ms':>8} {'x ' + reference:>14}" if host else ""))
+    print(f"  {'variant':<22} {'ATen ops':>9} {'launches':>9} {'x ' + reference:>14} {'MB read':>9} "
+          f"{'x ' + reference:>14} {'host reads':>11}" + (f" {'host ms':>8} {'x ' + reference:>14}" if host else ""))
     for name, c in counts.items():
         row = (f"  {name:<22} {c['ops']:>9} {c['launches']:>9} {c['launches'] / max(base['launches'], 1):>14.2f} "
-               f"{c['host_reads']:>11}")
+               f"{c['bytes'] / 1e6:>9.2f} {c['bytes'] / max(base['bytes'], 1):>14.2f} {c['host_reads']:>11}")
         if host and name in host:
             row += f" {host[name]['ms_median']:>8.2f} {host[name]['ratio']:>14.2f}"
         print(row)

@@ -85,8 +85,7 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     points = _insert_scale_points(gm, adaloss, derived, names_of=namer(params))
     uses = _insert_parameter_uses(gm, adaloss, derived, params, points)
     outputs = _insert_output_points(gm, adaloss, begin)
-    if _pure_capture(state):
-        outputs.update(_insert_accumulation_guards(gm, adaloss, begin, uses))
+    outputs.update(_insert_accumulation_guards(gm, adaloss, begin, uses, _pure_capture(state)))
     outputs.update(_insert_widening_points(gm, adaloss, begin, derived))
     inputs = _insert_input_points(gm, adaloss, begin, set(params) | buffer_set)
     branches = _insert_joins_and_branches(gm, adaloss, begin, derived, state)
@@ -228,18 +227,20 @@ def _pure_capture(state: ScaleState) -> bool:
 
 
 def _insert_accumulation_guards(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node,
-                                uses: dict[fx.Node, ParamUse]) -> dict[fx.Node, OutputPoint]:
-    """An accumulation guard (``accumulation.py``) on the output of every parameter use's operation whose backward
-    sums the parameter's gradient over positions, and of every attention, between the operation and all of its
-    consumers (an attention's guard also reads its q, k and v)."""
+                                uses: dict[fx.Node, ParamUse], pure: bool) -> dict[fx.Node, OutputPoint]:
+    """An accumulation guard (``accumulation.py``) between an operation and all of its consumers where its backward
+    sums low-precision gradients over positions: every attention that computes in low precision (under autocast
+    too; its guard also reads q, k and v), and in the ``pure`` mode every parameter use's operation whose backward
+    sums the parameter's gradient (under autocast those run in float32)."""
     graph = gm.graph
     made: dict[fx.Node, OutputPoint] = {}
     for user in list(graph.nodes):
-        if user in uses:
+        if user in uses and pure:
             operands = [a for a in user.all_input_nodes if a.op == "call_function" and a.target is operator.getitem
                         and str(a.args[0].target).startswith("adaloss.params.")]
             read: tuple = ()
-        elif user.op == "call_function" and user.target in ATTENTION:
+        elif user.op == "call_function" and user.target in ATTENTION and (
+                pure or getattr(example(user), "dtype", None) in _LOW_PRECISION):
             operands = []
             read = tuple(user.args[:3]) + tuple(user.kwargs[k] for k in ("query", "key", "value")[len(user.args):])
         else:

@@ -91,6 +91,10 @@ class ScalePoint(nn.Module):
     #: Whether each gradient's product needs the other operand too (a convolution's backward takes both, for their
     #: shapes).
     needs_input_for_input_grad = False
+    #: Whether :meth:`input_grad` and :meth:`weight_grad` take a host factor ``alpha`` that the product applies to
+    #: its float32 accumulator (a GEMM's alpha), in place of a scaled copy of gy. Exactly (s * gy) . W for a power
+    #: of two s, and no value of gy underflows first when s < 1.
+    scales_in_product = False
 
     def __init__(self, state: ScaleState, name: str, fan: int, axes: tuple[int, int], x_axis: int) -> None:
         super().__init__()
@@ -126,13 +130,20 @@ class ScalePoint(nn.Module):
             gb = self.bias_grad(gy, gy.dtype) if needs_b else None
         else:
             factor, weight_factor, weight_scale = factors
-            shared = same_factor(weight_factor, factor)
-            scaled = multiply(gy, factor) if needs_x or (needs_w and shared) else None
-            gx = self.input_grad(scaled, x, x_shape, w) if needs_x else None
-            gw = None
-            if needs_w:
-                gw_in = scaled if shared else multiply(gy, weight_factor)
-                gw = self.weight_grad(gw_in, x, w_shape, w)
+            if self.scales_in_product and not isinstance(factor, torch.Tensor) and not isinstance(
+                    weight_factor, torch.Tensor):
+                # Host factors (every step on CPU; on a device between refreshes): the product applies each to its
+                # float32 accumulator, so no scaled copy of gy is written and read again.
+                gx = self.input_grad(gy, x, x_shape, w, float(factor)) if needs_x else None
+                gw = self.weight_grad(gy, x, w_shape, w, float(weight_factor)) if needs_w else None
+            else:
+                shared = same_factor(weight_factor, factor)
+                scaled = multiply(gy, factor) if needs_x or (needs_w and shared) else None
+                gx = self.input_grad(scaled, x, x_shape, w) if needs_x else None
+                gw = None
+                if needs_w:
+                    gw = self.weight_grad(scaled if shared else multiply(gy, weight_factor), x, w_shape, w)
+            if gw is not None:
                 if execution.mirror is not None:  # the device's copy of the same scale divides in one kernel
                     weight_scale = self.state.arrays["weight_scale"][self.index:self.index + 1]
                 gw = divide_to(gw, weight_scale, _accumulation(gw))
@@ -184,6 +195,19 @@ class ScalePoint(nn.Module):
         return f"{self.name}: {self.kind}, fan={self.fan}, slots {self.out_slot}->{self.in_slot}"
 
 
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * (a @ b), alpha applied by the GEMM to its accumulator (``beta=0``: the added input, a 0-d zero made
+    once per device and dtype, is not read)."""
+    key = (a.device, a.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=a.dtype, device=a.device)
+    return torch.addmm(zero, a, b, beta=0, alpha=alpha)
+
+
 class LinearPoint(ScalePoint):
     """``F.linear(x, W, b)`` with W (out, in) and x (..., in)."""
 
@@ -192,14 +216,19 @@ class LinearPoint(ScalePoint):
     def __init__(self, state: ScaleState, name: str, weight: torch.Tensor) -> None:
         super().__init__(state, name, linear_fan(weight.shape[0]), LINEAR_AXES, -1)
 
+    scales_in_product = True
+
     def compute(self, x, w, b):
         return F.linear(x, w, b)
 
-    def input_grad(self, gy, x, x_shape, w):
-        return (gy @ w).reshape(x_shape)
+    def input_grad(self, gy, x, x_shape, w, alpha: float = 1.0):
+        if alpha == 1.0:
+            return (gy @ w).reshape(x_shape)
+        return _scaled_mm(gy.reshape(-1, w.shape[0]), w, alpha).reshape(x_shape)
 
-    def weight_grad(self, gy, x, w_shape, w):
-        return gy.reshape(-1, w_shape[0]).t() @ x.reshape(-1, w_shape[1])
+    def weight_grad(self, gy, x, w_shape, w, alpha: float = 1.0):
+        gy, x = gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1])
+        return gy @ x if alpha == 1.0 else _scaled_mm(gy, x, alpha)
 
     def bias_grad(self, gy, dtype):
         return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=dtype)
