@@ -145,6 +145,58 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     return results
 
 
+def compiled_bytes(work: Any, variants: list[str], dtype: str) -> dict[str, dict[str, float]]:
+    """Per compiled variant, the bytes Inductor's kernels read and write in one step of each kind, from Inductor's
+    own count (``count_bytes`` of every scheduled node, extern GEMMs and convolutions included, as it compiles):
+    ``refresh`` for the first step's graphs (a refresh for adaptive; GradScaler's only kind), ``between`` for the
+    graphs a step between refreshes compiles (adaptive-N, N > 1). Each graph, forward and backward, runs once per
+    step of its kind; the eager rest of a step (unscale, optimizer) is the same for every variant and not counted.
+    Compiled afresh (no FX graph cache, which would skip the count), on CPU: Inductor's C++ fusion, not Triton's,
+    so the figures rank the variants rather than predict a GPU's bytes."""
+    import logging
+
+    import torch
+    from torch._inductor import metrics
+
+    from benchmarks.workloads import Runner, build_initial
+
+    initial, batches = build_initial(work, "cpu")
+    log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # what compile_fx checks
+    results: dict[str, dict[str, float]] = {}
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        with torch._inductor.config.patch({"fx_graph_cache": False}):
+            for name in variants:
+                torch._dynamo.reset()
+                runner = Runner(name, copy.deepcopy(initial), dtype, "cpu")
+                row = {}
+                for kind, batch in (("refresh", batches[0]), ("between", batches[1 % len(batches)])):
+                    metrics.reset()
+                    runner.step(*batch)
+                    if metrics.num_bytes_accessed:
+                        row[kind] = float(metrics.num_bytes_accessed)
+                results[name] = row
+    finally:
+        log.setLevel(level)
+    return results
+
+
+def report_compiled_bytes(model: str, found: dict[str, dict[str, float]], reference: str) -> None:
+    """Print :func:`compiled_bytes`'s table, with ratios to ``reference``'s step."""
+    base = found.get(reference, {}).get("refresh")
+    print(f"\n{model}: bytes Inductor's kernels move per compiled step (forward and backward; counted while compiling "
+          "on CPU)")
+    print(f"  {'variant':<22} {'refresh MB':>11} {'x ' + reference:>22} {'between MB':>11} {'x ' + reference:>22}")
+    for name, row in found.items():
+        cells = ""
+        for kind in ("refresh", "between"):
+            value = row.get(kind)
+            ratio = f"{value / base:.2f}" if value and base else "-"
+            cells += f" {value / 1e6 if value else float('nan'):>11.2f} {ratio:>22}"
+        print(f"  {name:<22}{cells}")
+
+
 def host_times(work: Any, variants: list[str], dtype: str, timer: Callable[..., dict],
                summarise: Callable[[dict], dict]) -> dict[str, dict[str, Any]]:
     """Per variant, the time of one step on the CUDA code path on CPU tensors of ``work``'s tiny (``--quick``)

@@ -56,6 +56,8 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
             notes.append(f"final scale {info.get('final_scale', float('nan')):g}")
         if "compiled_steps" in info:
             notes.append(f"{info['compiled_steps']} steps compiled")
+        if row.get("compile_s", 0.0) >= 0.5:
+            notes.append(f"first steps {row['compile_s']:.1f} s beyond steady (capture and compile)")
         if info.get("skipped_steps"):
             notes.append(f"{info['skipped_steps']} skipped steps")
         notes += [f"{measure} probe failed: {probe['error']}" for measure, probe in mem.items() if "error" in probe]

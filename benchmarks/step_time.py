@@ -69,9 +69,11 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # -- timing ---------------------------------------------------------------------------------------------------------
 
-def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str) -> dict[str, list]:
+def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str,
+                  warmup: dict[str, list[float]] | None = None) -> dict[str, list]:
     """Per-step seconds of every variant, one list per repeat; variants interleaved step by step. A slow warm-up
-    round (compiling, capturing: minutes on a GPU) says so on stderr, so a run cut short shows how far it got."""
+    round (compiling, capturing: minutes on a GPU) says so on stderr, so a run cut short shows how far it got;
+    ``warmup`` (when given) receives each variant's warm-up step seconds: the first is its capture and compile."""
     sync = synchronizer(device)
     names = list(runners)
     k = 0
@@ -83,6 +85,8 @@ def time_variants(runners: dict[str, Runner], batches: list, work: Workload, dev
             runners[name].step(x, y)
             sync()
             seconds[name] = time.perf_counter() - start
+            if warmup is not None:
+                warmup.setdefault(name, []).append(seconds[name])
         if sum(seconds.values()) > 2.0:
             print(f"  warm-up {i + 1}/{work.warmup}: " + ", ".join(f"{n} {t:.1f} s" for n, t in seconds.items()),
                   file=sys.stderr, flush=True)
@@ -316,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                 memory.setdefault(variant, {})[measure] = result
         initial, batches = build_initial(work, args.device)
         runners = {name: Runner(name, initial, args.dtype, args.device) for name in args.variants}
-        times = time_variants(runners, batches, work, args.device)
+        warmup: dict[str, list[float]] = {}
+        times = time_variants(runners, batches, work, args.device, warmup)
         timing = summarise_times(times)
+        for name, seconds in warmup.items():
+            # The warm-up beyond a steady step: capture, Dynamo, the rewrite, AOT autograd and Inductor (each
+            # compiled adaptive variant compiles a refresh and a between-refreshes graph in its first steps).
+            timing[name]["warmup_s"] = sum(seconds)
+            timing[name]["compile_s"] = max(sum(seconds) - len(seconds) * timing[name]["ms_median"] / 1e3, 0.0)
         runs = {name: runner.summary() for name, runner in runners.items()}
         peaks = {}
         if any(name in COMPILED_VARIANTS for name in runners):  # their memory, measured in this process
@@ -346,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                 results["models"][model_name]["host_ms"] = host
             report(model_name, counts, REFERENCE, host)
             results["models"][model_name]["launches"] = counts
+            compiled = [name for name in args.variants if name in COMPILED_VARIANTS]
+            if compiled and kind != "cuda":  # each compiles once more, afresh: where the GPU's time is not spent
+                from benchmarks.launches import compiled_bytes, report_compiled_bytes
+                moved = compiled_bytes(work, compiled, args.dtype)
+                report_compiled_bytes(model_name, moved, "gradscaler-compiled")
+                results["models"][model_name]["compiled_bytes"] = moved
         results["checks"].extend(checks)
         if args.json:  # after every model: a run cut short keeps the models it finished
             _write_json(results, args.json)

@@ -33,6 +33,9 @@ def test_torch_benchmark_prints_ratios_to_gradscaler_and_writes_json(tmp_path):
     assert all(launches[v]["host_reads"] == 1 for v in ("gradscaler", "dynamic", "adaptive-1", "adaptive-100"))
     assert launches["adaptive-100"]["launches"] < launches["adaptive-1"]["launches"]
     assert launches["adaptive-1"]["generated"] == 0  # eager: no kernel of Inductor's
+    # The memory-traffic proxy: a refresh reads every activation gradient for its statistics, beyond GradScaler.
+    assert launches["adaptive-1"]["bytes"] > launches["gradscaler"]["bytes"] > 0
+    assert launches["adaptive-100"]["bytes"] < launches["adaptive-1"]["bytes"]
     assert "operations per step on the CUDA code path" in done.stdout
     # The host-time proxy: every eager variant timed against GradScaler on the device path.
     host = results["host_ms"]
@@ -164,3 +167,16 @@ def test_cpu_tensor_peak_counts_the_live_bytes_of_tensors_allocated_while_it_run
 
     assert cpu_tensor_peak(lambda: None) == 0
     assert cpu_tensor_peak(run) == 50_000
+
+
+def test_compiled_bytes_count_what_inductor_moves_per_step_of_each_kind():
+    """Inductor's own byte count of the graphs each compiled variant runs: a refresh step moves more than
+    GradScaler's compiled step (the statistics), a step between refreshes less than a refresh."""
+    from benchmarks.launches import compiled_bytes
+    from benchmarks.workloads import workload_for
+
+    moved = compiled_bytes(workload_for("mlp", "cpu", True), ["gradscaler-compiled", "adaptive-100-compiled"],
+                           "float16")
+    reference, adaptive = moved["gradscaler-compiled"], moved["adaptive-100-compiled"]
+    assert reference["refresh"] > 0 and "between" not in reference  # one kind of step, compiled once
+    assert adaptive["refresh"] > reference["refresh"] and adaptive["between"] < adaptive["refresh"]
