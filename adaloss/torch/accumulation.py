@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from adaloss.core.adaptive_stats import abs_max_value
+
 __all__ = ["ATTENTION", "AccumulationFold", "AttentionFold", "fold_of"]
 
 _EMBEDDINGS = {F.embedding, torch.embedding}
@@ -87,8 +89,6 @@ class AttentionFold(AccumulationFold):
     gqa: bool = False
 
     def __call__(self, ops: Any, g: torch.Tensor, operands: tuple = ()) -> Any:
-        from adaloss.core.adaptive_stats import abs_max_value
-
         q, k, v = operands
         sops = ops.scalars
         c = sops.const
@@ -113,8 +113,10 @@ def fold_of(user: fx.Node, operands: list[fx.Node], example: Any) -> Accumulatio
         args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
                         user.args))
         args.update(user.kwargs)
-        return AttentionFold("attention", scale=args.get("scale"), dropout=float(args.get("dropout_p") or 0.0),
-                             gqa=bool(args.get("enable_gqa", False)))
+        scale, dropout = args.get("scale"), args.get("dropout_p") or 0.0
+        if not (scale is None or isinstance(scale, (int, float))) or not isinstance(dropout, (int, float)):
+            return None  # computed in the graph: no static fold (the headroom covers it)
+        return AttentionFold("attention", scale=scale, dropout=float(dropout), gqa=bool(args.get("enable_gqa")))
     weights = [example(v) for v in operands if isinstance(example(v), torch.Tensor)]
     if not weights:
         return None
