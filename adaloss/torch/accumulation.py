@@ -1,4 +1,5 @@
-"""How many terms a parameter use's backward sums into one element of the parameter's gradient, in the compute dtype.
+"""How many low-precision terms a backward outside the scale points sums into one element (a parameter use's, an
+attention's), and the fold of each, which the accumulation guards of the graph transform divide the range by.
 
 In the pure low-precision mode the parameters are cast to float16 before an operation uses them, so the operation's
 backward accumulates the parameter's gradient in float16 too, before the parameter use divides it by its scale:
