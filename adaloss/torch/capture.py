@@ -84,7 +84,7 @@ def compiled(model: nn.Module, state: ScaleState) -> Callable[..., Any]:
                 raise TransformError(f"{label}: {inner}") from None
             raise
         except torch._dynamo.exc.TorchDynamoException as err:
-            raise TransformError(_capture_failure(label, err)) from None
+            raise TransformError(_fsdp2_refusal(model) or _capture_failure(label, err)) from None
 
     return call
 
@@ -129,8 +129,26 @@ def _nothing() -> None:
     return None
 
 
+def _fsdp2_refusal(model: nn.Module) -> str | None:
+    """The error for a model with FSDP2-sharded modules (``fully_shard``), or None: Dynamo does not trace FSDP2's
+    hooks as part of one graph, and adaptive scaling needs the whole forward as one."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return None
+    sharded = [name or type(model).__name__ for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return None
+    return (f"adaptive loss scaling cannot capture a model sharded with FSDP2 yet ({', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''} under fully_shard): its hooks cannot be traced into one graph. "
+            "LossScaler(model, 'dynamic'), 'fixed' and 'none' support FSDP2")
+
+
 def install(model: nn.Module, state: ScaleState) -> None:
     """Make every call of ``model`` run through its transformed graph, in place (see the module docstring)."""
+    refusal = _fsdp2_refusal(model)
+    if refusal is not None:
+        raise TransformError(refusal)
     if installed_state(model) is not None:
         raise TransformError(f"{type(model).__name__} already has an adaptive LossScaler; build one scaler per model")
     model._compiled_call_impl = _Installed(compiled(model, state), state)

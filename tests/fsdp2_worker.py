@@ -1,0 +1,111 @@
+"""The torchrun worker of ``test_fsdp2.py`` (no tests here): two processes shard a small MLP with FSDP2
+(``fully_shard`` per Linear and at the root, gloo, float32 compute) and train it with ``LossScaler`` through the
+library API; each rank writes what the tests check to ``OUT/fsdp2-<rank>.json``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp2_worker.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.profiler import ProfilerActivity, profile
+
+from adaloss.errors import TransformError
+from adaloss.torch import LossScaler
+
+STEPS = 4
+GLOBAL_BATCH = 16
+SCALES = {"none": {}, "fixed": {"scale": 256.0}, "dynamic": {"init_scale": 2.0 ** 10}}
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, 12, generator=generator),
+             torch.randint(0, 5, (GLOBAL_BATCH,), generator=generator)) for _ in range(STEPS)]
+
+
+def sharded(model: nn.Sequential) -> nn.Sequential:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train(method: str, rank: int, world: int) -> list[list[float]]:
+    """STEPS steps of SGD on this rank's half of each global batch; the full parameters afterwards."""
+    model = sharded(mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(model, method, **SCALES[method])
+    per_rank = GLOBAL_BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for x, y in batches():
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x[mine]), y[mine])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return [p.full_tensor().flatten().tolist() for p in model.parameters()]
+
+
+def inf_on_one_rank(rank: int) -> dict:
+    """An inf in one element of rank 1's local gradient shard only: both ranks must skip, with one collective."""
+    model = sharded(mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(model, "dynamic", init_scale=2.0 ** 10)
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    x, y = batches()[0]
+    scaler.scale(F.cross_entropy(model(x[:8] if rank == 0 else x[8:]), y[:8] if rank == 0 else y[8:])).backward()
+    if rank == 1:
+        model[4].weight.grad.to_local().view(-1)[0] = float("inf")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        scaler.step(optimizer)
+        scaler.update()
+    collectives = sum(e.name.startswith("gloo:") for e in prof.events())
+    unchanged = all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+    return {"skipped": scaler.step_was_skipped, "unchanged": unchanged, "scale": scaler.get_scale(),
+            "collectives": collectives}
+
+
+def adaptive_refusals() -> list[str]:
+    """Adaptive scaling on an FSDP2 model, built after and before fully_shard: refused by name, in both orders."""
+    messages = []
+    try:
+        LossScaler(sharded(mlp()), "adaptive")
+    except TransformError as err:
+        messages.append(str(err))
+    model = mlp()
+    scaler = LossScaler(model, "adaptive")
+    sharded(model)
+    try:
+        x, y = batches()[0]
+        scaler.scale(F.cross_entropy(model(x[:8]), y[:8])).backward()
+    except TransformError as err:
+        messages.append(str(err))
+    return messages
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {"params": {method: train(method, rank, world) for method in SCALES},
+               "inf": inf_on_one_rank(rank), "adaptive": adaptive_refusals()}
+    (out / f"fsdp2-{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
