@@ -212,11 +212,10 @@ class LinearPoint(ScalePoint):
     """``F.linear(x, W, b)`` with W (out, in) and x (..., in)."""
 
     kind = "Linear"
+    scales_in_product = True
 
     def __init__(self, state: ScaleState, name: str, weight: torch.Tensor) -> None:
         super().__init__(state, name, linear_fan(weight.shape[0]), LINEAR_AXES, -1)
-
-    scales_in_product = True
 
     def compute(self, x, w, b):
         return F.linear(x, w, b)
