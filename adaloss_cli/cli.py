@@ -125,5 +125,28 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def main() -> None:
-    """Console entry point."""
-    cli(prog_name="adaloss")
+    """Console entry point.
+
+    A process that ``adaloss train --nproc-per-node`` started leaves with ``os._exit`` once its command has
+    returned and its output is flushed: the run's files are closed and the process group destroyed by then, and
+    the interpreter's own teardown is where gloo's threads were seen, rarely, to abort the process ("terminate
+    called without an active exception"), which failed a finished run."""
+    if "LOCAL_RANK" not in os.environ:
+        cli(prog_name="adaloss")
+        return
+    from adaloss_cli.distributed import COMMAND_ENV  # (only here: it imports NumPy, which plain commands need not)
+
+    if os.environ.get(COMMAND_ENV) is None:  # started by the user's own torchrun: its usual exit
+        cli(prog_name="adaloss")
+        return
+    code: int | str | None = 0
+    try:
+        cli(prog_name="adaloss")
+    except SystemExit as leaving:
+        code = leaving.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -303,9 +303,9 @@ def launch(argv: Sequence[str], nproc_per_node: int,
     ``torchrun --standalone --nproc-per-node N`` does (a free local port, no restarts). The processes run this same
     adaloss whatever their working directory holds (:mod:`adaloss_cli.self_command`).
 
-    Returns rank 0's exit code (or the first failure's; 128 + N when the launcher itself was stopped by signal N)
-    and, when a process died without a word (killed by a signal), a line saying which. Without OMP_NUM_THREADS set,
-    each process gets an equal share of the CPU cores (torchrun would give it one).
+    Returns 0, or the exit code of the process that failed first (128 + N when the launcher itself was stopped by
+    signal N), and, when a process died without a word (killed by a signal), a line saying which. Without
+    OMP_NUM_THREADS set, each process gets an equal share of the CPU cores (torchrun would give it one).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -325,7 +325,8 @@ def launch(argv: Sequence[str], nproc_per_node: int,
     try:
         elastic_launch(config, sys.executable)(*python_args(), *argv)
     except ChildFailedError as err:
-        rank = 0 if 0 in err.failures else err.get_first_failure()[0]
+        # The process that failed first: the agent stops the others with SIGTERM after it.
+        rank = err.get_first_failure()[0]
         code = err.failures[rank].exitcode
         if code < 0:
             return 128 - code, f"process {rank} was killed by {err.failures[rank].signal_name()}"

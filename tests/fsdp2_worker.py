@@ -8,6 +8,7 @@ library API; each rank writes what the tests check to ``OUT/fsdp2-<rank>.json``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -104,8 +105,11 @@ def main(out: Path) -> None:
     results = {"params": {method: train(method, rank, world) for method in SCALES},
                "inf": inf_on_one_rank(rank), "adaptive": adaptive_refusals()}
     (out / f"fsdp2-{rank}.json").write_text(json.dumps(results))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(0)  # past gloo's threads in the interpreter's teardown (see adaloss_cli.cli.main)
