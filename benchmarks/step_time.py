@@ -61,8 +61,8 @@ from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
-from benchmarks.workloads import (COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload,
-                                  build_initial, refresh_period, synchronizer, workload_for)
+from benchmarks.workloads import (COMPILED_REFERENCE, COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner,
+                                  Workload, build_initial, refresh_period, synchronizer, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             if compiled and kind != "cuda":  # each compiles once more, afresh: where the GPU's time is not spent
                 from benchmarks.launches import compiled_bytes, report_compiled_bytes
                 moved = compiled_bytes(work, compiled, args.dtype)
-                report_compiled_bytes(model_name, moved, "gradscaler-compiled")
+                report_compiled_bytes(model_name, moved, COMPILED_REFERENCE)
                 results["models"][model_name]["compiled_bytes"] = moved
         results["checks"].extend(checks)
         if args.json:  # after every model: a run cut short keeps the models it finished

@@ -138,7 +138,8 @@ def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0, f
     at the top of the range is what GradScaler-style dynamic scaling reaches only after growing into it.
 
     ``fold`` (an accumulation guard's, ``adaloss/torch/accumulation.py``): the backward below sums up to that many
-    terms of g into one element in ``target_dtype``. The factor then only shrinks g, as far as the sum needs:
+    terms of g into one element in ``target_dtype`` (a number, or a function of the array namespace giving one). The
+    factor then only shrinks g, as far as the sum needs:
     min(1, h * u_max / (2 * fold * max|g|)), without the accumulated cap (a guard only ever lowers A).
     """
     ops = ops_for(g)
@@ -157,7 +158,9 @@ def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, he
     if fold is None and opts.accum_upper_bound is not None:
         target /= opts.accum_upper_bound
     s = c(target) / abs_max_value(ops, g)
-    if fold is not None:  # a number, or a value of ops.scalars (an attention guard's, from its operands)
+    if callable(fold):  # statistics of the guard's own (an attention's q, k, v): taken on refreshes only
+        fold = fold(ops)
+    if fold is not None:  # a number, or a value of ops.scalars
         s = s / (c(float(fold)) if isinstance(fold, (int, float)) else fold)
     s = sops.where(sops.positive_finite(s), s, c(1.0))
     if fold is not None:

@@ -185,6 +185,4 @@ def refresh_output(g: Any, cache: Any, *, target_dtype: Any, options: Any, headr
     written to ``cache``."""
     ops = ops_for(g)
     with ops.quiet():
-        if callable(fold):  # statistics of its own (an attention guard's): taken on refreshes only
-            fold = fold(ops)
         cache[...] = output_factor_with(ops, g, target_dtype, options, headroom, fold)

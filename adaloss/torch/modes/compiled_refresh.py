@@ -208,10 +208,8 @@ class _RefreshOutput(torch.autograd.Function):
         c, *operands = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         with autocast_off(g.device.type):
-            ops = ops_for(g)
-            fold = point.fold_for(g, tuple(operands))
-            factor = output_factor_with(ops, g, ctx.dtype, trace.options, trace.headroom,
-                                        fold(ops) if callable(fold) else fold)
+            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom,
+                                        point.fold_for(g, tuple(operands)))
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
