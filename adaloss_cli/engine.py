@@ -207,8 +207,9 @@ class Trainer:
         if resume is not None:
             backend.load_state_dict(resume["backend"])
             self.state = Progress(**resume["progress"])
-            if world.active:  # this process's own scales, random numbers and timings
-                mine = resume["ranks"][world.rank]
+            saved_ranks = resume.get("ranks") or []
+            if world.active and world.rank < len(saved_ranks):  # this process's own scales, RNG and timings
+                mine = saved_ranks[world.rank]
                 backend.load_rank_state(mine["backend"])  # type: ignore[attr-defined]
                 self.state.step_time = mine["step_time"]
         writer.set_meta(device=backend.device, backend=config.backend, model=backend.describe(),
@@ -221,11 +222,12 @@ class Trainer:
         if self.world.active:
             ranks = self.world.gather({"backend": self.backend.rank_state(),  # type: ignore[attr-defined]
                                        "step_time": self.state.step_time})
+        backend_state = self.backend.state_dict()  # on every process: an FSDP2 model is gathered by all of them
         if self.checkpoints is None:
             return
         state = asdict(self.state)
         state["elapsed_before"] = self.state.elapsed_before + elapsed
-        payload = {"backend": self.backend.state_dict(), "progress": state, "offsets": self.writer.offsets()}
+        payload = {"backend": backend_state, "progress": state, "offsets": self.writer.offsets()}
         if ranks is not None:
             payload.update(world_size=self.world.world_size, ranks=ranks)
         self.checkpoints.save(self.state.step, payload)

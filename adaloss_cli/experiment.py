@@ -148,11 +148,13 @@ def _open_for_resume(run_dir: Path, world_size: int, held: list[DirectoryLock]) 
     if meta.get("status") == "completed":
         raise UserError(f"--resume '{run_dir}': the run already completed; start a new run instead")
     trained_on = meta.get("world_size", 1)
-    if trained_on != world_size:
+    config = load_config(run_dir / "config.yaml")
+    # An FSDP2 run's checkpoints hold full, rank-independent state: it resumes on any number of processes.
+    if trained_on != world_size and config.training.distributed != "fsdp2":
         raise UserError(f"--resume '{run_dir}': the run trained on {trained_on} process(es), this is {world_size}; "
                         f"resume it with as many (adaloss train --resume {run_dir} --nproc-per-node {trained_on}, "
-                        "or the same torchrun options)")
-    config = load_config(run_dir / "config.yaml")
+                        "or the same torchrun options); a run with training.distributed: fsdp2 resumes on any "
+                        "number")
     store = CheckpointStore(run_dir, config.output.keep_checkpoints)
     store.remove_stale_temp_files()
     remove_stale_temp_files(run_dir)

@@ -172,6 +172,22 @@ def _compile_supported(values: Values, collector: ProblemCollector) -> None:
                                           "cuda_graphs: false)")
 
 
+def _fsdp2_supported(values: Values, collector: ProblemCollector) -> None:
+    """FSDP2 shards PyTorch modules; adaptive scaling cannot capture their hooks yet (adaloss.torch.capture)."""
+    if values.get("training.distributed") != "fsdp2":
+        return
+    if values.get("backend") == "chainer":
+        collector.add("training.distributed", "got fsdp2 with backend chainer; FSDP2 is PyTorch's (use backend: "
+                                              "torch, or distributed: ddp)")
+    if values.get("loss_scaling.method") == "adaptive":
+        collector.add("training.distributed", "got fsdp2 with loss_scaling.method adaptive; adaptive scaling "
+                                              "cannot capture FSDP2's hooks yet: use distributed: ddp for "
+                                              "adaptive, or method dynamic, fixed or none with fsdp2")
+    if values.get("training.cuda_graphs") is True:
+        collector.add("training.distributed", "got fsdp2 with cuda_graphs true; a CUDA-graphed step runs in one "
+                                              "process without sharding (set cuda_graphs: false)")
+
+
 def _heads_divide_width(values: Values, collector: ProblemCollector) -> None:
     heads, width = values.get("model.heads"), values.get("model.width")
     if values.get("model.name") in TRANSFORMERS and heads and width and width % heads:
@@ -212,6 +228,7 @@ RULES: tuple[Callable[[Values, ProblemCollector], None], ...] = (
     _chainer_builds_no_transformers,
     _cuda_graphs_supported,
     _compile_supported,
+    _fsdp2_supported,
     _heads_divide_width,
     _patches_tile_the_image,
     _library_ordered,

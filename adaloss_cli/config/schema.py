@@ -25,6 +25,8 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "step", "cosine")
 DTYPES = ("float32", "float16", "bfloat16")
 PRECISION_MODES = ("autocast", "pure")
+#: How several processes share the model: every process holds it (DDP), or each holds a shard (FSDP2).
+DISTRIBUTED = ("ddp", "fsdp2")
 # Bounds that keep a typo from asking for the impossible (a run of 1e20 steps, a layer of 1e9 units); far above
 # any real experiment. The model's total parameter count is bounded too, before it is built (adaloss_cli.limits).
 SEED_MAX = 2**32 - 1  # NumPy's legacy seeding (Chainer) takes 32-bit seeds
@@ -129,6 +131,13 @@ class TrainingConfig:
                            "scaling, refresh steps and steps between refreshes each run as one compiled forward and "
                            "backward, scale logic included; other methods compile the model. Each input shape "
                            "compiles at its first step (seconds to minutes).")
+    distributed: str = option("ddp", "With several processes (torchrun, --nproc-per-node): ddp "
+                              "(DistributedDataParallel: every process holds the whole model and its optimizer "
+                              "state) or fsdp2 (torch's fully_shard per block and at the root: each process holds a "
+                              "shard of the parameters, gradients and optimizer state; float16 in pure mode "
+                              "gathers parameters in float16 and reduces gradients in float32). An fsdp2 run "
+                              "resumes on any number of processes. One process trains the whole model either way.",
+                              choices=DISTRIBUTED)
     max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
                                             "loss is NaN or infinite.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")

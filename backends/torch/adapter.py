@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from adaloss_cli.backends.base import Backend, Batch, EvalResult, StepOutcome
-from adaloss_cli.backends.torch.distributed import data_parallel, world_size
+from adaloss_cli.backends.torch.distributed import data_parallel, shard, world_size
 from adaloss_cli.backends.torch.models import build_model, describe_model
 from adaloss.torch.precision import MixedPrecisionForward
 from adaloss.torch.scaler import LossScaler
-from adaloss_cli.config.schema import ExperimentConfig, OptimizerConfig
+from adaloss_cli.config.schema import LANGUAGE_MODELS, ExperimentConfig, OptimizerConfig
 from adaloss.errors import UserError
 
 
@@ -64,16 +64,22 @@ class TorchBackend(Backend):
         torch.manual_seed(config.run.seed)
         model = build_model(config.model, tuple(input_shape), num_classes).to(device)
         distributed = world_size() > 1
+        #: Whether the model is sharded with FSDP2 (training.distributed: fsdp2 on several processes).
+        self.sharded = distributed and config.training.distributed == "fsdp2"
+        adaptive = config.loss_scaling.method == "adaptive"
+        forward = MixedPrecisionForward(model, config.precision.dtype, config.precision.mode,
+                                        in_graph=adaptive or self.sharded)
+        pure = config.precision.mode == "pure" and forward.is_mixed
+        if self.sharded:  # before the scaler and the optimizer, as FSDP2 users write it
+            shard(model, forward.dtype if pure else None)
         self.scaler = LossScaler(model, config=config.loss_scaling, compile=config.training.compile,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
-        adaptive = config.loss_scaling.method == "adaptive"
-        self.forward = MixedPrecisionForward(self.model, config.precision.dtype, config.precision.mode,
-                                             in_graph=adaptive)
-        if config.precision.mode == "pure" and self.forward.is_mixed:
+        self.forward = forward
+        if pure:
             self.scaler.set_pure_dtype(self.forward.dtype)
-        # What training runs: the same forward, through DistributedDataParallel when there are several processes.
-        self.train_forward = data_parallel(self.model, self.forward)
+        # What training runs: the same forward, through DDP or FSDP2's hooks when there are several processes.
+        self.train_forward = data_parallel(self.model, self.forward, sharded=self.sharded)
         graphs = config.training.cuda_graphs
         if graphs:
             _check_cuda_graphs(device, distributed)
@@ -155,6 +161,8 @@ class TorchBackend(Backend):
         """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""
         for group in self.optimizer.param_groups:  # a graphed step copies a number into the tensor it reads
             group["lr"] = lr
+        # Underflow is measured against a captured float32 twin of the model, which FSDP2's hooks rule out.
+        record = record and not self.sharded
         self.model.train()
         if self.graphed is not None and not record and len(micro_batches) == 1 and not self.inject_nonfinite_loss:
             return self._graphed_train_step(micro_batches[0])
@@ -193,28 +201,64 @@ class TorchBackend(Backend):
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
         count = 0
+        batches = list(batches)
         for batch in batches:
             x, y = self._to_device(batch)
             logits = self.forward(self.model, x)
             loss_sum += cross_entropy(logits, y, reduction="sum").double()
             correct += (logits.argmax(dim=-1) == y).sum()
             count += y.numel()
+        if self.sharded:
+            self._match_other_processes_forwards(len(batches))
         loss = loss_sum.item() / max(count, 1)
         return EvalResult(loss=loss if math.isfinite(loss) else float("nan"),
                           accuracy=correct.item() / max(count, 1), examples=count)
 
+    def _full_state(self) -> bool:
+        """Whether checkpoints hold the model and optimizer as full, rank-independent state dicts (FSDP2 runs, so
+        that they resume on any number of processes) rather than the plain ``state_dict()`` of one process."""
+        return self.config.training.distributed == "fsdp2"
+
+    def _match_other_processes_forwards(self, ran: int) -> None:
+        """An FSDP2 forward gathers parameters with every process, so all run as many: a process with fewer
+        evaluation batches (the split's shares differ by one) runs one-example forwards whose results it drops."""
+        most = torch.tensor([ran], dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        if ran < int(most):
+            tokens = self.config.model.name in LANGUAGE_MODELS
+            x = torch.zeros((1, *self.input_shape), dtype=torch.int64 if tokens else torch.float32,
+                            device=self.device)
+            for _ in range(int(most) - ran):
+                self.forward(self.model, x)
+
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, scaler and torch RNG states."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Model, optimizer, scaler and torch RNG states. An FSDP2 run's model and optimizer are gathered into full
+        state dicts (every process takes part; rank 0's copy is the one saved) with torch.distributed.checkpoint's
+        state-dict utilities, the optimizer's keyed by parameter name."""
+        if self._full_state():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        else:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        state = {"model": model_state, "optimizer": optimizer_state,
                  "scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state()}
         if self.device.startswith("cuda"):
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore :meth:`state_dict` (an FSDP2 run's full state is sharded onto this run's processes, however
+        many trained it)."""
+        if self._full_state():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.graphed is not None:  # the optimizer's state tensors are new: capture again
             self.graphed.reset()
         self.scaler.load_state_dict(state["scaler"])
@@ -240,8 +284,9 @@ class TorchBackend(Backend):
         """SHA-256 (16 hex digits) of every parameter's bytes: equal on all processes when they stayed in sync."""
         digest = hashlib.sha256()
         for name, p in self.model.named_parameters():
+            full = p.full_tensor() if self.sharded else p  # an FSDP2 shard: gathered (every process calls this)
             digest.update(name.encode())
-            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+            digest.update(full.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
     def describe(self) -> str:

@@ -65,3 +65,18 @@ def test_torchrun_and_nproc_per_node_together_are_refused(invoke, tmp_path, monk
     monkeypatch.setenv("RANK", "0")
     result = invoke("train", "--config", method_config(tmp_path, "none", "float32"), "--nproc-per-node", "2")
     assert result.exit_code == 2 and "already one of 2 started by torchrun" in result.output
+
+
+@pytest.mark.parametrize("sets, refused", [
+    (["loss_scaling.method=adaptive"], "adaptive scaling cannot capture FSDP2's hooks yet"),
+    (["backend=chainer"], "FSDP2 is PyTorch's"),
+    (["training.cuda_graphs=true", "device=cuda"], "cuda_graphs"),
+])
+def test_fsdp2_refuses_what_it_cannot_shard_in_one_line_naming_the_key(invoke, sets, refused):
+    args = ["train", "--config", "digits", "--set", "training.distributed=fsdp2"]
+    for item in sets:
+        args += ["--set", item]
+    result = invoke(*args, "--nproc-per-node", "2")
+    assert result.exit_code == 2, result.output
+    assert "training.distributed" in result.output and refused in result.output
+    assert "Traceback" not in result.output
