@@ -29,10 +29,9 @@ from pathlib import Path
 
 import click
 import pytest
+from test_help_examples import SHELL_OPERATORS, check
 
 from adaloss.errors import UserError
-
-from test_help_examples import SHELL_OPERATORS, check, parse
 
 torch = pytest.importorskip("torch")
 
