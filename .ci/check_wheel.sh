@@ -6,14 +6,15 @@
 #   bash .ci/check_wheel.sh            (make check-wheel; .ci/run runs it after make test)
 #
 # To add a check: one `check "what it shows" command args...` line under "Checks" (runs in the repository root with
-# the fresh venv first on PATH). A README example: check "..." run_readme "Its heading". A package the new check
-# needs: add it to EXTRA_PACKAGES (installed with torch pinned).
+# the fresh venv first on PATH). A documented example: check "..." run_doc FILE "Its heading" (FILE relative to
+# the repository, e.g. README.md or docs/integrations.md). A package the new check needs: add it to EXTRA_PACKAGES
+# (installed with torch pinned).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 TORCH="torch==2.13.0"     # an unpinned torch pulls the newest CUDA build (gigabytes); docs/architecture.md 7
-EXTRA_PACKAGES=(lightning accelerate transformers)   # for the README's framework examples
+EXTRA_PACKAGES=(lightning accelerate transformers)   # for docs/integrations.md's examples
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/adaloss-wheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/logs"
@@ -39,8 +40,10 @@ quietly() {  # quietly NAME command args...: run a setup step; on failure show i
   "$@" >"$log" 2>&1 || { echo "FAIL  $*"; grep -v "is ignored" "$log" | tail -n 25; exit 1; }
 }
 
-run_readme() {  # run_readme HEADING: the README's first python block under that heading, as a user pastes it
-  python -c "$(python "$ROOT/.ci/readme_example.py" "$1")"
+run_doc() {  # run_doc FILE HEADING: the document's first python block under that heading, as a user pastes it
+  local code
+  code="$(python "$ROOT/.ci/readme_example.py" "$2" "$1")" || return 1
+  python -c "$code"
 }
 
 echo "== building the wheel and a fresh venv in $WORK"
@@ -62,7 +65,7 @@ echo "installed $(pip list 2>/dev/null | grep -E '^(adaloss|torch) ' | tr -s ' '
 # -- Checks -------------------------------------------------------------------------------------------------------
 cd "$ROOT"
 OUT="$WORK/runs"
-check "README library example, from the repository root" run_readme "As a library"
+check "README library example, from the repository root" run_doc README.md "In your own training loop"
 check "adaloss configs" adaloss configs
 check "adaloss train --config digits" adaloss train --config digits --set training.iterations=3 \
   --set "output.root=$OUT" --quiet
@@ -74,12 +77,12 @@ check "adaloss train --nproc-per-node 2" adaloss train --config digits --set tra
   --set "output.root=$OUT" --nproc-per-node 2 --quiet
 cd "$WORK"
 check "adaloss validate by name, outside the repository" adaloss validate digits sweeps/digits
-check "README library example, outside the repository" run_readme "As a library"
+check "README library example, outside the repository" run_doc README.md "In your own training loop"
 # Outside the repository only: Lightning writes lightning_logs/ and the Trainer trainer_output/ where they run.
-check "README Lightning example" run_readme "Lightning"
-check "README Fabric example" run_readme "Fabric"
-check "README accelerate example" run_readme "accelerate"
-check "README transformers.Trainer example" run_readme "transformers.Trainer"
+check "docs Lightning example" run_doc docs/integrations.md "Lightning"
+check "docs Fabric example" run_doc docs/integrations.md "Fabric"
+check "docs accelerate example" run_doc docs/integrations.md "accelerate"
+check "docs transformers.Trainer example" run_doc docs/integrations.md "transformers.Trainer"
 
 echo "wheel check: ${passed} of $((passed + ${#failed[@]})) checks passed"
 [ ${#failed[@]} -eq 0 ]

@@ -1,7 +1,8 @@
-"""The README's table of config keys, generated from the schema so that the two cannot disagree.
+"""The reference table of config keys in docs/configuration.md, generated from the schema so the two cannot disagree.
 
-``python -m adaloss_cli.config.docs`` prints the table; ``--update README.md`` rewrites the block between the
-``config-keys`` markers in place, and ``--check README.md`` exits 1 when that block is stale. The wording of the
+``python -m adaloss_cli.config.docs`` prints the table; ``--update docs/configuration.md`` (``make docs``) rewrites
+the block between the ``config-keys`` markers in place, and ``--check docs/configuration.md`` exits 1 when that
+block is stale. The wording of the
 "allowed" column is the validator's own (:func:`._checks.allowed`), so the docs say what error messages say.
 """
 

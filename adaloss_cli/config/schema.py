@@ -1,8 +1,8 @@
 """The experiment config: one frozen dataclass per YAML section.
 
 Every field carries its help text and its constraints in ``metadata`` (see ``adaloss.fields.option``), so the
-validator, the README's key table and ``--help`` texts are all derived from the schema and cannot disagree. The
-``loss_scaling`` section is the library's own options (``adaloss.options``), nested here as they are.
+validator, the key reference in docs/configuration.md and ``--help`` texts are all derived from the schema and cannot
+disagree. The ``loss_scaling`` section is the library's own options (``adaloss.options``), nested here as they are.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The generated config-key table, and the README copy of it."""
+"""The generated config-key table, and the copy of it in docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from adaloss_cli.config.docs import (
     MARKER_END, MARKER_START, config_table_markdown, format_default, main, replace_table_block, table_block)
 from adaloss_cli.config.schema import iter_fields
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def rows() -> dict[str, list[str]]:
@@ -87,10 +87,14 @@ def test_missing_markers_are_reported(tmp_path, capsys):
         table_block("no markers here")
 
 
-def test_readme_holds_the_generated_table():
-    if not README.exists():
-        pytest.skip("README.md is not written yet")
-    text = README.read_text(encoding="utf-8")
-    assert MARKER_START in text and MARKER_END in text, "README.md needs the config-keys markers"
+def test_the_configuration_reference_holds_the_generated_table():
+    text = REFERENCE.read_text(encoding="utf-8")
+    assert MARKER_START in text and MARKER_END in text, "docs/configuration.md needs the config-keys markers"
     assert table_block(text) == config_table_markdown(), (
-        "README.md's config table is stale: run python -m adaloss_cli.config.docs --update README.md")
+        "docs/configuration.md's config table is stale: run make docs "
+        "(python -m adaloss_cli.config.docs --update docs/configuration.md)")
+
+
+def test_check_says_the_shipped_reference_is_current(capsys):
+    assert main(["--check", str(REFERENCE)]) == 0
+    assert capsys.readouterr().err == ""

@@ -85,16 +85,3 @@ def test_every_help_example_parses_and_validates_from_an_empty_folder(invoke, tm
             pytest.fail(f"adaloss {shlex.join(args)}: {err.format_message()}")
     assert list(tmp_path.iterdir()) == []  # nothing ran for real
 
-
-def test_every_readme_command_parses():
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    blocks = [block.split("```", 1)[0] for block in text.split("```sh\n")[1:]]
-    commands = examples("\n".join(blocks).replace("\\\n", " "))
-    assert len(commands) >= 15
-    for args in commands:
-        try:
-            parse(args)
-        except click.ClickException as err:
-            pytest.fail(f"README: adaloss {shlex.join(args)}: {err.format_message()}")

@@ -35,7 +35,7 @@ def fresh_accelerate_state():
 
 def accelerate_loop(method: str, steps: int, lr: float = 0.1, overflow_at: int | None = None,
                     clip: float = 1e9) -> dict:
-    """The README's loop: attach before prepare, accelerator.backward, clip_grad_norm_, optimizer.step()."""
+    """docs/integrations.md's loop: attach before prepare, accelerator.backward, clip_grad_norm_, optimizer.step()."""
     accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
     net = tiny_net()
     overflow = Overflow(net)

@@ -148,7 +148,7 @@ def test_options_are_checked_when_the_plugin_is_made():
 # -- Fabric ---------------------------------------------------------------------------------------------------------
 
 def fabric_loop(method: str, steps: int, lr: float = 0.1, overflow_at: int | None = None, clip: float | None = None):
-    """The loop the README shows: fabric.setup, fabric.backward, fabric.clip_gradients, optimizer.step."""
+    """The loop docs/integrations.md shows: fabric.setup, fabric.backward, fabric.clip_gradients, optimizer.step."""
     precision = AdalossFabricPrecision(method, device="cpu")
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[precision])
     net = tiny_net()
