@@ -1,6 +1,7 @@
 """The torchrun worker of ``test_fsdp2.py`` (no tests here): two processes shard a small MLP with FSDP2
 (``fully_shard`` per Linear and at the root, gloo, float32 compute) and train it with ``LossScaler`` through the
-library API; each rank writes what the tests check to ``OUT/fsdp2-<rank>.json``.
+library API; each rank writes what the tests check to ``OUT/fsdp2-<rank>.json``, and a dynamic run is saved with
+torch.distributed.checkpoint to ``OUT/dcp``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp2_worker.py OUT
 """
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile
 
@@ -46,10 +49,12 @@ def sharded(model: nn.Sequential) -> nn.Sequential:
     return model
 
 
-def train(method: str, rank: int, world: int) -> list[list[float]]:
-    """STEPS steps of SGD on this rank's half of each global batch; the full parameters afterwards."""
+def train(method: str, rank: int, world: int, checkpoint: Path | None = None) -> list[list[float]]:
+    """STEPS steps of SGD on this rank's half of each global batch; the full parameters afterwards. With
+    ``checkpoint``, model, optimizer and scaler are saved there with torch.distributed.checkpoint (the scaler as a
+    Stateful: DCP calls its state_dict and load_state_dict)."""
     model = sharded(mlp())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if checkpoint else 0.0)
     scaler = LossScaler(model, method, **SCALES[method])
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -59,6 +64,9 @@ def train(method: str, rank: int, world: int) -> list[list[float]]:
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
+    if checkpoint is not None:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "scaler": scaler}, checkpoint_id=checkpoint)
     return [p.full_tensor().flatten().tolist() for p in model.parameters()]
 
 
@@ -103,6 +111,7 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {"params": {method: train(method, rank, world) for method in SCALES},
+               "checkpointed": train("dynamic", rank, world, checkpoint=out / "dcp"),
                "inf": inf_on_one_rank(rank), "adaptive": adaptive_refusals()}
     (out / f"fsdp2-{rank}.json").write_text(json.dumps(results))
     dist.barrier()  # no rank tears gloo down while another still talks to it

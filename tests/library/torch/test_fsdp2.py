@@ -30,7 +30,9 @@ def ranks(tmp_path_factory) -> list[dict]:
                            str(REPO / "tests" / "fsdp2_worker.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=300, cwd=out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((out / f"fsdp2-{rank}.json").read_text()) for rank in range(2)]
+    results = [json.loads((out / f"fsdp2-{rank}.json").read_text()) for rank in range(2)]
+    results[0]["dcp"] = out / "dcp"
+    return results
 
 
 def _single_process(method: str) -> list[torch.Tensor]:
@@ -75,3 +77,30 @@ def test_adaptive_scaling_of_an_fsdp2_model_is_refused_by_name_in_both_orders(ra
         for message in rank["adaptive"]:
             assert "cannot capture a model sharded with FSDP2 yet" in message
             assert "LossScaler(model, 'dynamic')" in message
+
+
+def test_a_dcp_checkpoint_of_two_ranks_resumes_in_one_process_with_the_scalers_state(ranks):
+    """Saved sharded on 2 ranks with torch.distributed.checkpoint (the scaler as a Stateful beside model and
+    optimizer), loaded into an unsharded model in one process: the full parameters, the momentum and the scale."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from fsdp2_worker import mlp
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    from adaloss.torch import LossScaler
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = LossScaler(model, "dynamic")  # its own defaults: the checkpoint's knobs and scale replace them
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=ranks[0]["dcp"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for got, want in zip(model.parameters(), ranks[0]["checkpointed"]):
+        assert torch.equal(got.detach().flatten(), torch.tensor(want))
+    assert scaler.get_scale() == 2.0 ** 10 and scaler.state_dict()["policy"]["init_scale"] == 2.0 ** 10
+    assert all("momentum_buffer" in s for s in optimizer.state.values()) and len(optimizer.state) == 6
