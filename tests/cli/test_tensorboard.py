@@ -110,3 +110,23 @@ def test_without_tensorboard_the_option_is_one_line_and_exit_2_before_any_file(i
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "output.tensorboard" in lines[0] and "pip install" in lines[0], result.output
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_resumed_run_replaces_what_the_failed_attempt_logged_after_its_checkpoint(invoke, tmp_path, monkeypatch):
+    from adaloss_cli.engine import FAULT_ENV
+
+    config = write_config(tmp_path / "c.yaml", training={"iterations": 12, "max_consecutive_nonfinite": 1},
+                          precision={"dtype": "float16"}, loss_scaling={"method": "adaptive"},
+                          output={"tensorboard": True, "checkpoint_every": 6})
+    out = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, "9")  # step 9's loss is NaN: the run stops as diverged after checkpoint 6
+    assert invoke("train", "--config", config, "--out", out, "--quiet", "--device", "cpu").exit_code == 1
+    monkeypatch.delenv(FAULT_ENV)
+    assert invoke("train", "--resume", out, "--quiet").exit_code == 0
+    folder = out / "tensorboard"
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 2  # one per attempt
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(s["loss"]) for s in steps)
+    assert steps_and_values(events, "steps/loss") == [(s["step"] + 1, pytest.approx(s["loss"])) for s in steps]
