@@ -109,7 +109,10 @@ class AdalossPrecision(_LossScalerFromModule, _TrainerMixedPrecision):
         **options: the method's options (``scale=...``, ``preset=...``, ``loss_scale_method=...``).
 
     ``trainer.fit`` builds the scaler when it sets the module up; ``plugin.scaler`` is it from then on
-    (``trainer.scaler`` too), and ``plugin.step_was_skipped`` says whether the last step was skipped.
+    (``trainer.scaler`` too), and ``plugin.step_was_skipped`` says whether the last step was skipped. With a
+    logger (``TensorBoardLogger``, ``CSVLogger``...), every ``log_every_n_steps`` steps the plugin logs the
+    scaler's ``scalars()`` through ``self.log_dict``: ``scaling/loss_scale``, ``scaling/skipped_steps`` and, for
+    adaptive, ``scaling/layer_scale_log2_min``/``_median``/``_max`` and ``layer_scale_log2/<layer>``.
     """
 
     def __init__(self, method: str = "dynamic", *, device: str | None = None, submodule: str | None = None,
@@ -128,7 +131,19 @@ class AdalossPrecision(_LossScalerFromModule, _TrainerMixedPrecision):
         """The parent's step (closure, unscale, clipping, skip on overflow, update); a backward that bypassed the
         transformed module says how Lightning calls the model."""
         with self._submodule_hint():
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            result = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        self._log_scales(model)
+        return result
+
+    def _log_scales(self, module: Any) -> None:
+        """On the Trainer's logging steps (every ``log_every_n_steps``, when it has a logger), the scaler's
+        :meth:`~adaloss.torch.scaler.LossScaler.scalars` through ``LightningModule.log_dict``: the loss scale, the
+        skipped steps and, for adaptive, every layer's scale in log2. Other steps read nothing from the device."""
+        trainer = getattr(module, "_trainer", None)
+        if self.scaler is None or trainer is None or not trainer.loggers or not trainer.log_every_n_steps:
+            return
+        if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
+            module.log_dict(self.scaler.scalars(), on_step=True, on_epoch=False)
 
     @contextmanager
     def _submodule_hint(self) -> Iterator[None]:
@@ -147,7 +162,8 @@ class AdalossFabricPrecision(_LossScalerFromModule, _FabricMixedPrecision):
 
     ``fabric.setup(model, optimizer)`` builds the scaler on ``model``; ``fabric.backward``, ``optimizer.step()`` and
     ``fabric.clip_gradients`` then scale, skip and unscale through it. Put the plugin in ``fabric.save``'s state
-    (``{"model": model, "optimizer": optimizer, "scaler": precision}``) to checkpoint the scales. Arguments as for
+    (``{"model": model, "optimizer": optimizer, "scaler": precision}``) to checkpoint the scales, and log them from
+    your loop on the steps you log: ``fabric.log_dict(precision.scaler.scalars(), step)``. Arguments as for
     :class:`AdalossPrecision`.
     """
 

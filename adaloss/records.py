@@ -1,11 +1,12 @@
-"""What a scaler reports per layer on a recorded step: the same record for every method and framework, one row of
-a run's ``scales.csv``."""
+"""What a scaler reports per layer: what it did on a recorded step (:class:`LayerRecord`, the same for every method
+and framework, one row of a run's ``scales.csv``), and the per-layer scales of adaptive scaling as they stand
+(:class:`LayerScale`, ``LossScaler.layer_scales()``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OUTPUT_RECORD", "LayerRecord"]
+__all__ = ["OUTPUT_RECORD", "LayerRecord", "LayerScale"]
 
 #: Layer name of the record for the model output, where the float32 loss gradient is cast to the model's dtype.
 OUTPUT_RECORD = "output"
@@ -26,3 +27,16 @@ class LayerRecord:
     underflow_fraction: float
     weight_scale: float = float("nan")
     zeroed_fraction: float = float("nan")
+
+
+@dataclass(frozen=True)
+class LayerScale:
+    """One scale point's scales as they stand (adaptive scaling), for logging and inspection.
+
+    ``factor`` multiplies the gradient arriving at the layer's output to make its input gradient; ``weight_factor``
+    is the one its weight gradient was computed with, and ``weight_scale`` the scale that weight gradient carried
+    before it was divided back: the layer's own loss scale, what ``GradScaler.get_scale()`` is for a whole model."""
+    layer: str
+    factor: float
+    weight_factor: float
+    weight_scale: float

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaloss_cli.backends import get_backend
-from adaloss.records import OUTPUT_RECORD, LayerRecord
+from adaloss.records import OUTPUT_RECORD
+from adaloss.scalars import ScaleSpread, scale_spread
 from adaloss_cli.backends.base import Backend, StepOutcome
 from adaloss_cli.config.schema import MAX_STEPS, ExperimentConfig
 from adaloss_cli.schedule import learning_rate
@@ -32,6 +33,7 @@ from adaloss_cli.model_size import check_model_size
 from adaloss_cli.progress import progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
+from adaloss_cli.tensorboard_log import TensorBoardLog, check_tensorboard
 
 
 @dataclass
@@ -109,20 +111,6 @@ class Progress:
                 "underflow_worst_layer": worst, "underflow_output": output}
 
 
-def _power_of_two(x: float) -> str:
-    mantissa, exponent = math.frexp(x)
-    return f"2^{exponent - 1}" if mantissa == 0.5 else f"{x:g}"
-
-
-def scale_range(layers: list[LayerRecord]) -> str | None:
-    """``2^3..2^14``: the smallest and largest accumulated scale of a recorded step's layer records (None: none)."""
-    values = [r.accumulated_scale for r in layers if math.isfinite(r.accumulated_scale) and r.accumulated_scale > 0]
-    if not values:
-        return None
-    low, high = _power_of_two(min(values)), _power_of_two(max(values))
-    return low if low == high else f"{low}..{high}"
-
-
 def perplexity(loss: float) -> float:
     """exp of a mean per-token cross-entropy (in nats): the vocabulary size a uniform guess would need to be as
     unsure. NaN for a NaN loss, inf where exp overflows."""
@@ -143,6 +131,7 @@ def prepare(config: ExperimentConfig, world: World = SINGLE) -> tuple[Dataset, B
         device = world.device(backend_cls.resolve_device(config.device))
         dataset = load_dataset(config.data, config.run.seed)
         check_model_size(config.model, dataset.input_shape, dataset.num_classes)
+        check_tensorboard(config)
         return backend_cls, device, dataset
 
     backend_cls, device, dataset = world.agree(check)
@@ -203,7 +192,10 @@ class Trainer:
         self.show_progress = progress and config.output.progress and world.is_main
         self.state = Progress()
         self.language_model = dataset.task == LANGUAGE_MODEL
-        self._eval_shown: dict[str, str] = {}  # the last evaluation, on the progress bar (language models)
+        self._eval_shown: dict[str, str] = {}  # the last evaluation, on the progress bar
+        #: Adaptive: the per-layer scales of the last recorded step (the bar, the summary).
+        self._layer_scales: ScaleSpread | None = None
+        self.live: TensorBoardLog | None = None
         if resume is not None:
             backend.load_state_dict(resume["backend"])
             self.state = Progress(**resume["progress"])
@@ -234,7 +226,17 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train from the current step, evaluating every ``eval_every_epochs`` epochs and at the end; checkpoint
-        every ``checkpoint_every`` steps, at the end and when stopped by a signal; return the summary."""
+        every ``checkpoint_every`` steps, at the end and when stopped by a signal; return the summary. With
+        ``output.tensorboard``, rank 0 writes every step and evaluation to TensorBoard as well."""
+        if self.config.output.tensorboard and self.world.is_main:
+            self.live = TensorBoardLog(self.writer.run_dir, first_step=self.state.step)
+        try:
+            return self._run()
+        finally:
+            if self.live is not None:
+                self.live.close()
+
+    def _run(self) -> dict[str, Any]:
         cfg, dataset, backend, state, world = self.config, self.dataset, self.backend, self.state, self.world
         started = time.perf_counter()
         stream = BatchStream(dataset, cfg.training.batch_size, cfg.run.seed, augment=dataset.augment)
@@ -242,8 +244,8 @@ class Trainer:
         accum, faults = cfg.training.grad_accum_steps, _fault_steps(world.rank)
         bar = progress_bar(plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
                            enabled=self.show_progress, leave=True)
-        # Adaptive scaling has no one scale to show: the bar shows the range of the last recorded layer scales.
-        per_layer, scales = cfg.loss_scaling.method == "adaptive", None
+        # Adaptive scaling has no one scale to show: the bar shows the spread of the last recorded layer scales.
+        per_layer = cfg.loss_scaling.method == "adaptive"
         with _StopSignals() as stop, StopVote(world) as vote:
             for step in range(state.step, plan.total_steps):
                 epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
@@ -257,11 +259,14 @@ class Trainer:
                 state.add(outcome, time.perf_counter() - t0)
                 state.step = step + 1
                 self.writer.step(step, epoch, lr, outcome, state.elapsed_before + time.perf_counter() - started)
+                if self.live is not None:
+                    self.live.step(step, lr, outcome, state.skipped)
                 if not math.isfinite(outcome.loss) and world.is_main:
                     bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
                               else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
-                scales = scale_range(outcome.layers) or scales
-                shown = {"scales": scales or "-"} if per_layer else {"scale": f"{outcome.scale:g}"}
+                self._layer_scales = scale_spread(s.weight_scale for s in outcome.layer_scales) or self._layer_scales
+                shown = ({"scales": str(self._layer_scales or "-")} if per_layer
+                         else {"scale": f"{outcome.scale:g}"})
                 bar.set_postfix(loss=f"{outcome.loss:.4f}", **shown, skipped=state.skipped, **self._eval_shown,
                                 refresh=False)
                 bar.update(1)
@@ -309,7 +314,11 @@ class Trainer:
         if self.language_model:
             row["val_perplexity"] = perplexity(loss)
             self._eval_shown = {"val_ppl": f"{row['val_perplexity']:.2f}"}
+        else:
+            self._eval_shown = {"val_acc": f"{100 * accuracy:.1f}%"}
         self.writer.epoch(row)
+        if self.live is not None:
+            self.live.evaluation(row)
 
     def _perplexities(self) -> dict[str, float | None]:
         """A language model's final and best validation perplexity (the best is that of the lowest loss)."""
@@ -317,6 +326,14 @@ class Trainer:
         final = self.state.evals[-1]["loss"] if self.state.evals else math.nan
         return {"final_val_perplexity": None if math.isnan(final) else perplexity(final),
                 "best_val_perplexity": perplexity(min(losses)) if losses else None}
+
+    def _final_layer_scales(self) -> dict[str, float | None]:
+        """Adaptive: the smallest, median and largest per-layer scale after the last step (always a recorded one);
+        None for the other methods, whose one scale is ``final_scale``."""
+        spread = self._layer_scales
+        return {"final_layer_scale_min": spread.low if spread else None,
+                "final_layer_scale_median": spread.median if spread else None,
+                "final_layer_scale_max": spread.high if spread else None}
 
     def _summary(self, plan: Plan, wall: float, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
         cfg, backend, state = self.config, self.backend, self.state
@@ -334,6 +351,7 @@ class Trainer:
             "steps": plan.total_steps, "epochs": plan.epochs,
             "skipped_steps": state.skipped, "overflow_steps": state.overflows, "retries": state.retries,
             "final_scale": backend.final_scale(),
+            **self._final_layer_scales(),
             "wall_time_s": round(wall, 3),
             "time_per_step_s": state.step_time / max(plan.total_steps, 1),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,

@@ -99,7 +99,8 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
 
 
 #: Keys of config.yaml that may change between a checkpoint and its resume: they change no number of the run.
-RESUMABLE_EDITS = ("output.root", "output.progress", "output.checkpoint_every", "output.keep_checkpoints")
+RESUMABLE_EDITS = ("output.root", "output.progress", "output.checkpoint_every", "output.keep_checkpoints",
+                   "output.tensorboard")
 
 
 def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:

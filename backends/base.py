@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from adaloss.records import LayerRecord
+from adaloss.records import LayerRecord, LayerScale
 from adaloss_cli.config.schema import ExperimentConfig
 
 Batch = tuple[np.ndarray, np.ndarray]
@@ -26,6 +26,8 @@ class StepOutcome:
     scale: float
     retries: int = 0
     layers: list[LayerRecord] = field(default_factory=list)
+    #: Recorded steps of adaptive scaling: every layer's scales after the step (``LossScaler.layer_scales``).
+    layer_scales: list[LayerScale] = field(default_factory=list)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from adaloss.records import LayerRecord
+from adaloss.records import LayerRecord, LayerScale
+from adaloss.scalars import scaling_scalars, write_scalars
 from adaloss.options import LossScalingConfig, scaling_options
 from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
@@ -251,6 +252,35 @@ class LossScaler:
         rows = chainer.backend.CpuDevice().send(xp.stack(columns)).tolist()
         return [LayerRecord(layer=name, unbound_factor=u, factor=f, accumulated_scale=a, underflow_fraction=uf,
                             weight_scale=w) for name, u, f, a, uf, w in zip(names, *rows)]
+
+    # -- per-layer scales and logging ----------------------------------------------------------------------------
+
+    def layer_scales(self) -> list[LayerScale]:
+        """Adaptive scaling's per-layer scales and factors as they stand, one :class:`~adaloss.records.LayerScale`
+        per Linear/Convolution2D scale point in forward order (as ``torch``'s ``LossScaler.layer_scales``). Empty
+        for the other methods. One device-to-host read for all layers, when it is called (the step never calls
+        it)."""
+        state, links = self.state, self.links
+        points = links.ordered_points()
+        if not state.adaptive or not points:
+            return []
+        xp = state.xp
+        index = xp.asarray(np.array([p.index for p in points], dtype=np.int64))
+        weight_slots = xp.asarray(np.array([p.weight_slot for p in points], dtype=np.int64))
+        columns = xp.stack([state.factor[index], state.weight_factor[index], state.table[weight_slots]])
+        rows = chainer.backend.CpuDevice().send(columns).tolist()
+        return [LayerScale(layer=p.name, factor=f, weight_factor=wf, weight_scale=ws)
+                for p, f, wf, ws in zip(points, *rows)]
+
+    def scalars(self, records: list[LayerRecord] | None = None) -> dict[str, float]:
+        """What a metrics logger should plot for this scaler now, as ``{tag: value}`` (``adaloss.scalars`` lists
+        the tags); a recorded step's :meth:`layer_records` as ``records`` adds each layer's underflow."""
+        return scaling_scalars(self.get_scale(), self.policy.skipped_steps, self.layer_scales(), records or ())
+
+    def log_to(self, writer: Any, step: int, records: list[LayerRecord] | None = None) -> None:
+        """Write :meth:`scalars` to ``writer`` at ``step`` (anything with ``add_scalar(tag, value, step)``: a
+        tensorboardX or ``torch.utils.tensorboard`` ``SummaryWriter``)."""
+        write_scalars(writer, self.scalars(records), step)
 
     # -- state --------------------------------------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from adaloss.records import LayerRecord
+from adaloss.records import LayerRecord, LayerScale
+from adaloss.scalars import scaling_scalars, write_scalars
 from adaloss.options import LossScalingConfig, scaling_options
 from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
@@ -167,7 +168,8 @@ class LossScaler:
         ``backward()`` already divided by the scale it was computed at. The loss is still multiplied by
         :attr:`loss_scale` (``init_scale``, 1 by default), so a gradient outside the model (a parameter the loss
         uses directly) carries that instead; :meth:`unscale_` divides each by its own. The per-layer scales are
-        :meth:`layer_records` (recorded steps) and ``state_dict()["layers"]``."""
+        :meth:`layer_scales` (and :meth:`layer_records` on recorded steps); :meth:`log_to` writes them to
+        TensorBoard."""
         if not self.enabled or self.method == "adaptive":
             return 1.0
         return float(self.policy.scale)
@@ -545,6 +547,45 @@ class LossScaler:
     def describe(self) -> str:
         """The adaptive scale points as a table (name, operation, fan); they are found when the model first runs."""
         return describe_points(self.state) if self.state is not None else ""
+
+    # -- per-layer scales and logging ----------------------------------------------------------------------------
+
+    def layer_scales(self) -> list[LayerScale]:
+        """Adaptive scaling's per-layer scales and factors as they stand, one :class:`~adaloss.records.LayerScale`
+        per scale point in the order the forward first called them: what the next steps apply (until the next
+        refresh recomputes them). Empty for the other methods (every layer carries :meth:`get_scale`), when
+        disabled, and before the model's first forward.
+
+        One device-to-host read for all layers, when it is called: the training step never calls it, so read it on
+        the steps you log (a recorded step's :meth:`layer_records` also has every layer's scales)."""
+        state = self.state if self.method == "adaptive" else None
+        if state is None or not state.names:
+            return []
+        state.settle()  # a compiled refresh's values, before anything reads the state
+        n = len(state.names)
+        rows = torch.stack([state.arrays[name][:n] for name in ("factor", "weight_factor", "weight_scale")]).tolist()
+        return [LayerScale(layer=name, factor=factor, weight_factor=weight_factor, weight_scale=weight_scale)
+                for name, factor, weight_factor, weight_scale in zip(state.names, *rows)]
+
+    def scalars(self, records: list[LayerRecord] | None = None) -> dict[str, float]:
+        """What a metrics logger should plot for this scaler now, as ``{tag: value}`` (``adaloss.scalars`` lists
+        the tags): the loss scale, the steps skipped so far and, for adaptive, the log2 of every layer's scale.
+        Pass a recorded step's :meth:`layer_records` as ``records`` to add each layer's underflow. Reads the device
+        once (adaptive), as :meth:`layer_scales`."""
+        return scaling_scalars(self.loss_scale, self.policy.skipped_steps if self.enabled else 0,
+                               self.layer_scales(), records or ())
+
+    def log_to(self, writer: Any, step: int, records: list[LayerRecord] | None = None) -> None:
+        """Write :meth:`scalars` to ``writer`` at ``step``: a ``torch.utils.tensorboard.SummaryWriter`` (or any
+        writer with its ``add_scalar(tag, value, step)``)::
+
+            writer = SummaryWriter("runs/my-run")
+            ...
+            if step % 50 == 0:
+                scaler.log_to(writer, step)
+
+        Call it on the steps you log, after :meth:`update`: it reads the per-layer scales from the device."""
+        write_scalars(writer, self.scalars(records), step)
 
     # -- state -----------------------------------------------------------------------------------------------------
 

@@ -164,6 +164,11 @@ class OutputConfig:
                                              "only at the end.", min=1, nullable=True)
     keep_checkpoints: int = option(2, "How many of the newest checkpoints to keep.", min=1)
     progress: bool = option(True, "Show a progress bar.")
+    tensorboard: bool = option(False, "Write TensorBoard event files to <run directory>/tensorboard/ as the run "
+                               "goes: every step's loss, learning rate, loss scale and skipped steps; on recorded "
+                               "steps each layer's scale (log2, adaptive) and underflow; every evaluation's "
+                               "metrics. Needs tensorboard (pip install 'adaloss[tensorboard]'); view with "
+                               "tensorboard --logdir <run directory>.")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import yaml
 
 from adaloss import __version__
 from adaloss.records import LayerRecord
+from adaloss.scalars import scale_spread
 from adaloss_cli.backends.base import StepOutcome
 from adaloss_cli.data.datasets import LANGUAGE_MODEL
 from adaloss_cli.results.files import (CsvWriter, JsonLinesWriter, atomic_write_json, atomic_write_text, json_text,
@@ -126,10 +127,16 @@ class RunWriter:
         self._write_meta()
 
     def step(self, step: int, epoch: int, lr: float, outcome: StepOutcome, elapsed_s: float) -> None:
-        """One line of steps.jsonl, and scales.csv rows when the step was recorded."""
-        self._steps.write({"step": step, "epoch": epoch, "loss": outcome.loss, "scale": outcome.scale,
-                           "overflow": outcome.overflow, "skipped": outcome.skipped, "retries": outcome.retries,
-                           "lr": lr, "elapsed_s": round(elapsed_s, 4)})
+        """One line of steps.jsonl, and scales.csv rows when the step was recorded. A recorded step of adaptive
+        scaling adds the smallest, median and largest per-layer scale (``scale`` is then the loss's, 1 by
+        default)."""
+        line = {"step": step, "epoch": epoch, "loss": outcome.loss, "scale": outcome.scale,
+                "overflow": outcome.overflow, "skipped": outcome.skipped, "retries": outcome.retries, "lr": lr,
+                "elapsed_s": round(elapsed_s, 4)}
+        spread = scale_spread(s.weight_scale for s in outcome.layer_scales)
+        if spread is not None:
+            line.update(layer_scale_min=spread.low, layer_scale_median=spread.median, layer_scale_max=spread.high)
+        self._steps.write(line)
         if outcome.layers:
             self._write_layers(step, outcome.layers)
 

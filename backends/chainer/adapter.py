@@ -159,8 +159,9 @@ class ChainerBackend(Backend):
                 if not self.scaler.should_retry:
                     break
                 retries += 1
+            layer_scales = self.scaler.layer_scales() if record else []
         return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
-                           scale=scale, retries=retries, layers=layers)
+                           scale=scale, retries=retries, layers=layers, layer_scales=layer_scales)
 
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
         """Mean cross-entropy and accuracy, in the training compute dtype."""

@@ -182,7 +182,8 @@ class TorchBackend(Backend):
                 break
             retries += 1
         return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
-                           scale=scale, retries=retries, layers=layers)
+                           scale=scale, retries=retries, layers=layers,
+                           layer_scales=self.scaler.layer_scales() if record else [])
 
     def _graphed_train_step(self, batch: Batch) -> StepOutcome:
         """One optimizer step replayed from its CUDA graph (retries included); recorded steps run eagerly."""

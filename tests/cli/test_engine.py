@@ -194,9 +194,7 @@ def test_bfloat16_forward_really_computes_in_bfloat16(digits, batches):
     assert loss16 != loss32 and loss16 == pytest.approx(loss32, rel=5e-2)
 
 
-def test_plain_progress_prints_a_line_every_tenth_and_the_scale_range_reads_in_powers_of_two(capsys):
-    from adaloss.records import LayerRecord
-    from adaloss_cli.engine import scale_range
+def test_plain_progress_prints_a_line_every_tenth(capsys):
     from adaloss_cli.progress import PlainProgress
 
     bar = PlainProgress(95, desc="run", unit="step", initial=3)
@@ -207,9 +205,3 @@ def test_plain_progress_prints_a_line_every_tenth_and_the_scale_range_reads_in_p
     assert [line.split(" steps")[0] for line in lines] == [f"run: {n}/95" for n in (*range(10, 91, 10), 95)]
     assert lines[0].startswith("run: 10/95 steps (11%), ") and lines[0].endswith(", loss=2.3000, skipped=0")
     assert "left" in lines[0] and "left" not in lines[-1]
-
-    records = [LayerRecord(name, 1.0, 1.0, scale, 0.0) for name, scale in
-               [("output", 8.0), ("fc1", 16384.0), ("fc2", 1024.0), ("nan", math.nan)]]
-    assert scale_range(records) == "2^3..2^14"
-    assert scale_range(records[:1]) == "2^3" and scale_range([]) is None
-    assert scale_range([LayerRecord("odd", 1.0, 1.0, 3.0, 0.0)]) == "3"

@@ -8,6 +8,9 @@ without fp16 is refused. Skipped when accelerate (or transformers) is not instal
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -34,13 +37,13 @@ def fresh_accelerate_state():
 
 
 def accelerate_loop(method: str, steps: int, lr: float = 0.1, overflow_at: int | None = None,
-                    clip: float = 1e9) -> dict:
+                    clip: float = 1e9, accelerator: Any = None, **attach_options: Any) -> dict:
     """docs/integrations.md's loop: attach before prepare, accelerator.backward, clip_grad_norm_, optimizer.step()."""
-    accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator = accelerator or accelerate.Accelerator(mixed_precision="fp16", cpu=True)
     net = tiny_net()
     overflow = Overflow(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    scaler = attach(accelerator, net, method)
+    scaler = attach(accelerator, net, method, **attach_options)
     model, optimizer = accelerator.prepare(net, optimizer)
     x, y = batch()
     record = {"scaler": scaler, "net": net, "losses": [], "skipped": [], "norms": [], "weights": [weights(net)]}
@@ -129,3 +132,24 @@ def test_trainer_trains_holds_the_schedule_on_a_skipped_step_and_logs_the_true_g
     assert logs[0]["loss"] == pytest.approx(autocast_loss(tiny_net()), rel=1e-6)
     assert logs[-1]["loss"] < logs[0]["loss"] - 0.05
     assert logs[0]["grad_norm"] == pytest.approx(true_grad_norm(tiny_net()), rel=1e-2)
+
+
+def test_attach_with_log_every_logs_the_scales_to_the_accelerators_trackers(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True, log_with="tensorboard",
+                                         project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    record = accelerate_loop("adaptive", steps=5, overflow_at=2, accelerator=accelerator, log_every=2)
+    accelerator.end_training()
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    skipped = events.Scalars("scaling/skipped_steps")
+    assert [(e.step, e.value) for e in skipped] == [(2, 0.0), (4, 1.0)]  # every second step, the skip of step 3
+    scales = {s.layer: s.weight_scale for s in record["scaler"].layer_scales()}
+    assert events.Scalars("layer_scale_log2/0")[-1].value == math.log2(scales["0"])
+    assert events.Scalars("scaling/loss_scale")[-1].value == 1.0
+
+    with pytest.raises(ValueError, match="log_every"):
+        attach(accelerate.Accelerator(mixed_precision="fp16", cpu=True), tiny_net(), "adaptive", log_every=0)

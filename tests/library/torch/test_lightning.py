@@ -8,6 +8,8 @@ to fix it (``submodule=``), and with it trains. Skipped when Lightning is not in
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -199,3 +201,23 @@ def test_fabric_saves_and_loads_the_per_layer_scales_with_the_plugin_in_the_stat
         if not load_first:
             other.load(tmp_path / "ckpt", {"scaler": other_precision})
         _assert_same_state(other_precision.scaler.state_dict(), saved)
+
+
+def test_trainer_logs_the_scales_on_its_logging_steps(tmp_path):
+    """With a logger, the plugin logs the scaler's scalars every log_every_n_steps, beside the module's own metrics,
+    with the values of that step (the skip of step 2 shows from the row of step 3 on)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    module, plugin = Classifier(overflow_at=2), AdalossPrecision("adaptive", device="cpu")
+    trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_steps=6, logger=CSVLogger(tmp_path),
+                        log_every_n_steps=2, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(TensorDataset(*batch()), batch_size=16))
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    assert [int(row["step"]) for row in rows] == [1, 3, 5]
+    assert [float(row["scaling/skipped_steps"]) for row in rows] == [0.0, 1.0, 1.0]
+    scales = {s.layer: s.weight_scale for s in plugin.scaler.layer_scales()}
+    assert float(rows[-1]["layer_scale_log2/net.0"]) == math.log2(scales["net.0"]) > 10
+    assert float(rows[-1]["scaling/loss_scale"]) == 1.0
