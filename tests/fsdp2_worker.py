@@ -1,5 +1,5 @@
 """The torchrun worker of ``test_fsdp2.py`` (no tests here): two processes shard a small MLP with FSDP2
-(``fully_shard`` per Linear and at the root, gloo, float32 compute) and train it with ``LossScaler`` through the
+(``fully_shard`` per Linear and at the root, gloo, float32 compute, and float16 autocast for adaptive) and train it with ``LossScaler`` through the
 library API; each rank writes what the tests check to ``OUT/fsdp2-<rank>.json``, and a dynamic run is saved with
 torch.distributed.checkpoint to ``OUT/dcp``.
 
@@ -27,7 +27,7 @@ from adaloss.torch import LossScaler
 
 STEPS = 4
 GLOBAL_BATCH = 16
-SCALES = {"none": {}, "fixed": {"scale": 256.0}, "dynamic": {"init_scale": 2.0 ** 10}}
+SCALES = {"none": {}, "fixed": {"scale": 256.0}, "dynamic": {"init_scale": 2.0 ** 10}, "adaptive": {}}
 
 
 def mlp() -> nn.Sequential:
@@ -49,7 +49,15 @@ def sharded(model: nn.Sequential) -> nn.Sequential:
     return model
 
 
-def train(method: str, rank: int, world: int, checkpoint: Path | None = None) -> list[list[float]]:
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, fp16: bool) -> torch.Tensor:
+    """Cross-entropy in float32 compute, or under CPU autocast in float16."""
+    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+        logits = model(x)
+    return F.cross_entropy(logits.float(), y)
+
+
+def train(method: str, rank: int, world: int, checkpoint: Path | None = None, fp16: bool = False
+          ) -> list[list[float]]:
     """STEPS steps of SGD on this rank's half of each global batch; the full parameters afterwards. With
     ``checkpoint``, model, optimizer and scaler are saved there with torch.distributed.checkpoint (the scaler as a
     Stateful: DCP calls its state_dict and load_state_dict)."""
@@ -60,8 +68,7 @@ def train(method: str, rank: int, world: int, checkpoint: Path | None = None) ->
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     for x, y in batches():
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[mine]), y[mine])
-        scaler.scale(loss).backward()
+        scaler.scale(loss_of(model, x[mine], y[mine], fp16)).backward()
         scaler.step(optimizer)
         scaler.update()
     if checkpoint is not None:
@@ -90,18 +97,24 @@ def inf_on_one_rank(rank: int) -> dict:
 
 
 def adaptive_refusals() -> list[str]:
-    """Adaptive scaling on an FSDP2 model, built after and before fully_shard: refused by name, in both orders."""
+    """What adaptive scaling of an FSDP2 model refuses, by name: a scaler built before fully_shard (it captured the
+    model whole), and parameters gathered in float16 (MixedPrecisionPolicy param_dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     messages = []
-    try:
-        LossScaler(sharded(mlp()), "adaptive")
-    except TransformError as err:
-        messages.append(str(err))
     model = mlp()
     scaler = LossScaler(model, "adaptive")
     sharded(model)
+    x, y = batches()[0]
     try:
-        x, y = batches()[0]
         scaler.scale(F.cross_entropy(model(x[:8]), y[:8])).backward()
+    except TransformError as err:
+        messages.append(str(err))
+    model = mlp()
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    scaler = LossScaler(model, "adaptive")
+    try:
+        scaler.scale(F.cross_entropy(model(x[:8]).float(), y[:8])).backward()
     except TransformError as err:
         messages.append(str(err))
     return messages
@@ -111,6 +124,7 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {"params": {method: train(method, rank, world) for method in SCALES},
+               "adaptive-fp16": train("adaptive", rank, world, fp16=True),
                "checkpointed": train("dynamic", rank, world, checkpoint=out / "dcp"),
                "inf": inf_on_one_rank(rank), "adaptive": adaptive_refusals()}
     (out / f"fsdp2-{rank}.json").write_text(json.dumps(results))

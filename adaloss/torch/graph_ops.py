@@ -263,8 +263,9 @@ def parameter_derived(graph: fx.Graph, params: set[fx.Node]) -> set[fx.Node]:
     return derived
 
 
-def namer(params: dict[fx.Node, str]):
-    """Names for scale points: the module that made the call when it owns the weight, else the parameter's name."""
+def namer(params: dict[fx.Node, str], prefix: str = ""):
+    """Names for scale points: the module that made the call when it owns the weight, else the parameter's name.
+    ``prefix``: the captured module's qualified name in the model (a piece of a sharded model), with its dot."""
     def name_of(node: fx.Node, weight: fx.Node) -> str:
         root = weight
         while root not in params and root.args and isinstance(root.args[0], fx.Node):
@@ -272,6 +273,7 @@ def namer(params: dict[fx.Node, str]):
         param_name = params.get(root, root.name)
         stack = node.meta.get("nn_module_stack") or {}
         path = module_path(list(stack.values())[-1][0]) if stack else ""
+        path = (prefix + path if path else prefix[:-1]) if prefix else path
         if path and not param_name.startswith(path + "."):
             return path  # a module using another's parameter (a tied head): named after the caller
         for suffix in (".weight", "_weight", ".bias", "_bias"):
@@ -282,6 +284,10 @@ def namer(params: dict[fx.Node, str]):
 
 
 def module_path(dynamo_path: str) -> str:
-    """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule)."""
+    """``L['self'].features.0`` -> ``features.0`` (Dynamo's source path of a submodule); a module's own forward,
+    captured as a bound method, starts ``L['forward'].__self__``."""
     _, _, rest = dynamo_path.partition("].")
-    return rest if "]" in dynamo_path else dynamo_path
+    path = rest if "]" in dynamo_path else dynamo_path
+    if path == "__self__" or path.startswith("__self__."):
+        path = path[len("__self__."):]
+    return path

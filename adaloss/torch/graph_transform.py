@@ -53,6 +53,9 @@ class AdalossGraph(nn.Module):
         self.begin: Begin | None = None
         self.plan: GraphPlan | None = None
         self._slots = 1
+        #: What the names of this graph's points start with: the captured module's qualified name and a dot (a
+        #: piece of a sharded model, whose pieces share one scale state), or nothing for a whole model.
+        self.prefix = ""
 
     def new_slot(self) -> int:
         self._slots += 1
@@ -70,9 +73,10 @@ class AdalossGraph(nn.Module):
 
 
 def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: ScaleState,
-                    names: dict[int, str], buffers: set[int]) -> fx.GraphModule:
+                    names: dict[int, str], buffers: set[int], prefix: str = "") -> fx.GraphModule:
     """Rewrite ``gm`` in place (see the module docstring) and return it. ``names`` maps id(parameter) to its
-    qualified name in the model; ``buffers`` holds the ids of the model's buffers (never cast, never scaled)."""
+    qualified name in the model; ``buffers`` holds the ids of the model's buffers (never cast, never scaled);
+    ``prefix`` is the captured module's qualified name with its dot (a piece of a sharded model), or empty."""
     graph = gm.graph
     params = parameter_nodes(gm, list(example_inputs), names)
     buffer_set = buffer_nodes(gm, list(example_inputs), buffers)
@@ -80,9 +84,10 @@ def transform_graph(gm: fx.GraphModule, example_inputs: Iterable[Any], state: Sc
     functionalize(graph)
     derived = parameter_derived(graph, set(params))
     adaloss = AdalossGraph(state)
+    adaloss.prefix = prefix
     gm.adaloss = adaloss
     begin = _insert_begin(gm, adaloss, state)
-    points = _insert_scale_points(gm, adaloss, derived, names_of=namer(params))
+    points = _insert_scale_points(gm, adaloss, derived, names_of=namer(params, prefix))
     uses = _insert_parameter_uses(gm, adaloss, derived, params, points)
     outputs = _insert_output_points(gm, adaloss, begin)
     outputs.update(_insert_accumulation_guards(gm, adaloss, begin, uses, _pure_capture(state)))
@@ -187,14 +192,14 @@ def _root_name(node: fx.Node, params: dict[fx.Node, str]) -> str:
     return params.get(node, node.name)
 
 
-def _guard_name(user: fx.Node, use: ParamUse | None) -> str:
+def _guard_name(user: fx.Node, use: ParamUse | None, prefix: str) -> str:
     """``tok.weight:sum`` for a parameter use's guard, ``blocks.0.attn:attention`` for an attention's (its module's
     path), else the node's name."""
     if use is not None:
         return f"{'+'.join(use.names)}:sum"
     stack = user.meta.get("nn_module_stack") or {}
     path = module_path(list(stack.values())[-1][0]) if stack else user.name
-    return f"{path}:attention"
+    return f"{prefix}{path or user.name}:attention"
 
 
 def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.Node) -> dict[fx.Node, OutputPoint]:
@@ -206,7 +211,7 @@ def _insert_output_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx.N
     made: dict[fx.Node, OutputPoint] = {}
     replacement: dict[fx.Node, fx.Node] = {}
     for i, value in enumerate(carrying):
-        point = OutputPoint(adaloss.state, "output" if len(carrying) == 1 else f"output.{i}")
+        point = OutputPoint(adaloss.state, adaloss.prefix + ("output" if len(carrying) == 1 else f"output.{i}"))
         point.in_slot = adaloss.new_slot()
         adaloss.outputs.append(point)
         with graph.inserting_before(output):
@@ -248,7 +253,7 @@ def _insert_accumulation_guards(gm: fx.GraphModule, adaloss: AdalossGraph, begin
         fold = fold_of(user, operands, example)
         if fold is None or not carries_grad(user):
             continue
-        point = OutputPoint(adaloss.state, _guard_name(user, uses.get(user)), record=False, fold=fold)
+        point = OutputPoint(adaloss.state, _guard_name(user, uses.get(user), adaloss.prefix), record=False, fold=fold)
         point.in_slot = adaloss.new_slot()
         adaloss.outputs.append(point)
         consumers = list(user.users)
@@ -283,7 +288,7 @@ def _insert_widening_points(gm: fx.GraphModule, adaloss: AdalossGraph, begin: fx
                     isinstance(result, torch.Tensor) and result.requires_grad
                     and result.dtype in (torch.float32, torch.float64)):
                 continue
-            point = OutputPoint(adaloss.state, f"{node.name}:float32", record=False)
+            point = OutputPoint(adaloss.state, f"{adaloss.prefix}{node.name}:float32", record=False)
             point.in_slot = adaloss.new_slot()
             adaloss.outputs.append(point)
             with graph.inserting_before(user):
@@ -345,7 +350,8 @@ def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin:
                     f"'{node.name}' ({node.target}) returns nested outputs that are used separately; adaptive "
                     "scaling cannot bring their gradients to one scale: use one of its outputs, or another method")
             if len(items) > 1:
-                made.update(_insert_point(graph, adaloss, state, begin, items, f"{node.name}", join=True))
+                made.update(_insert_point(graph, adaloss, state, begin, items, f"{adaloss.prefix}{node.name}",
+                                              join=True))
     skipped = ("adaloss.branches", "adaloss.begin", "adaloss.params")
     for node in list(graph.nodes):
         if node.op in ("output", "get_attr") or node in derived or str(node.target).startswith(skipped):
@@ -362,7 +368,7 @@ def _insert_joins_and_branches(gm: fx.GraphModule, adaloss: AdalossGraph, begin:
 def _value_name(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_module" and str(node.target).startswith("adaloss.points."):
         return gm.get_submodule(node.target).name
-    return node.name
+    return gm.adaloss.prefix + node.name
 
 
 def _insert_point(graph: fx.Graph, adaloss: AdalossGraph, state: ScaleState, begin: fx.Node, values: list[fx.Node],

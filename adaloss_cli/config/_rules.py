@@ -173,16 +173,17 @@ def _compile_supported(values: Values, collector: ProblemCollector) -> None:
 
 
 def _fsdp2_supported(values: Values, collector: ProblemCollector) -> None:
-    """FSDP2 shards PyTorch modules; adaptive scaling cannot capture their hooks yet (adaloss.torch.capture)."""
+    """FSDP2 shards PyTorch modules, in one process or several; adaptive scaling of a sharded model captures its
+    pieces eagerly (adaloss.torch.capture.sharded_pieces)."""
     if values.get("training.distributed") != "fsdp2":
         return
     if values.get("backend") == "chainer":
         collector.add("training.distributed", "got fsdp2 with backend chainer; FSDP2 is PyTorch's (use backend: "
                                               "torch, or distributed: ddp)")
-    if values.get("loss_scaling.method") == "adaptive":
-        collector.add("training.distributed", "got fsdp2 with loss_scaling.method adaptive; adaptive scaling "
-                                              "cannot capture FSDP2's hooks yet: use distributed: ddp for "
-                                              "adaptive, or method dynamic, fixed or none with fsdp2")
+    if values.get("loss_scaling.method") == "adaptive" and values.get("training.compile") is True:
+        collector.add("training.distributed", "got fsdp2 with loss_scaling.method adaptive and compile true; "
+                                              "adaptive scaling of an FSDP2 model runs eager steps (set compile: "
+                                              "false, or distributed: ddp)")
     if values.get("training.cuda_graphs") is True:
         collector.add("training.distributed", "got fsdp2 with cuda_graphs true; a CUDA-graphed step runs in one "
                                               "process without sharding (set cuda_graphs: false)")

@@ -134,8 +134,9 @@ class TrainingConfig:
     distributed: str = option("ddp", "With several processes (torchrun, --nproc-per-node): ddp "
                               "(DistributedDataParallel: every process holds the whole model and its optimizer "
                               "state) or fsdp2 (torch's fully_shard per block and at the root: each process holds a "
-                              "shard of the parameters, gradients and optimizer state; float16 in pure mode "
-                              "gathers parameters in float16 and reduces gradients in float32). An fsdp2 run "
+                              "shard of the parameters, gradients and optimizer state; pure float16 gathers "
+                              "parameters in float16 and reduces gradients in float32, except adaptive scaling, "
+                              "which gathers float32 and casts in its graphs). An fsdp2 run "
                               "resumes on any number of processes. One process trains the whole model either way.",
                               choices=DISTRIBUTED)
     max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "

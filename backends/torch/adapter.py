@@ -70,8 +70,9 @@ class TorchBackend(Backend):
         forward = MixedPrecisionForward(model, config.precision.dtype, config.precision.mode,
                                         in_graph=adaptive or self.sharded)
         pure = config.precision.mode == "pure" and forward.is_mixed
-        if self.sharded:  # before the scaler and the optimizer, as FSDP2 users write it
-            shard(model, forward.dtype if pure else None)
+        if self.sharded:  # before the scaler and the optimizer, as FSDP2 users write it; adaptive scaling casts
+            shard(model, forward.dtype if pure and not adaptive else None)  # in its graphs, from float32
+
         self.scaler = LossScaler(model, config=config.loss_scaling, compile=config.training.compile,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model

@@ -68,7 +68,7 @@ def test_torchrun_and_nproc_per_node_together_are_refused(invoke, tmp_path, monk
 
 
 @pytest.mark.parametrize("sets, refused", [
-    (["loss_scaling.method=adaptive"], "adaptive scaling cannot capture FSDP2's hooks yet"),
+    (["loss_scaling.method=adaptive", "training.compile=true"], "runs eager steps"),
     (["backend=chainer"], "FSDP2 is PyTorch's"),
     (["training.cuda_graphs=true", "device=cuda"], "cuda_graphs"),
 ])

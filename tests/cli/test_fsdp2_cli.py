@@ -30,19 +30,20 @@ ITERATIONS = 24
 CHECKPOINT_EVERY = 4
 
 
-def fsdp2_config(folder: Path, distributed: str = "fsdp2", dtype: str = "float16", mode: str = "autocast") -> Path:
-    """An MLP on digits with dynamic scaling and no dropout: the processes' random streams do not matter, so one
+def fsdp2_config(folder: Path, distributed: str = "fsdp2", dtype: str = "float16", mode: str = "autocast",
+                 method: str = "dynamic") -> Path:
+    """An MLP on digits with ``method`` (dynamic by default) and no dropout: the processes' random streams do not matter, so one
     process on the global batch is the same computation. 25% held out: 449 examples, shares of 225 and 224, so
     that with 75 per evaluation batch one process runs a batch more than the other."""
     config = {"model": {"name": "mlp", "hidden_sizes": [32, 32]},
               "data": {"name": "digits", "val_fraction": 0.25},
               "precision": {"dtype": dtype, "mode": mode},
-              "loss_scaling": {"method": "dynamic", "dynamic": {"init_scale": 1024.0}},
+              "loss_scaling": {"method": method, "dynamic": {"init_scale": 1024.0}},
               "training": {"iterations": ITERATIONS, "batch_size": 32, "eval_batch_size": 75,
                            "eval_every_epochs": 1, "distributed": distributed,
                            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
               "output": {"checkpoint_every": CHECKPOINT_EVERY, "record_every": 5}}
-    path = folder / f"{distributed}-{dtype}-{mode}.yaml"
+    path = folder / f"{distributed}-{dtype}-{mode}-{method}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -64,12 +65,13 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same experiment with FSDP2 on 2 processes and in one process (float32), and with FSDP2 and DDP on 2
-    processes in float16 autocast and FSDP2 in pure float16."""
+    """The same experiment with FSDP2 on 2 processes and in one process (float32), adaptive scaling with FSDP2 and
+    DDP on 2 processes in float16 autocast, and FSDP2 in pure float16."""
     folder = tmp_path_factory.mktemp("fsdp2")
     launches = {"fsdp2": (fsdp2_config(folder, dtype="float32"), 2),
                 "one": (fsdp2_config(folder, dtype="float32"), None),
-                "fsdp2-fp16": (fsdp2_config(folder), 2), "ddp-fp16": (fsdp2_config(folder, "ddp"), 2),
+                "fsdp2-adaptive": (fsdp2_config(folder, method="adaptive"), 2),
+                "ddp-adaptive": (fsdp2_config(folder, "ddp", method="adaptive"), 2),
                 "fsdp2-pure": (fsdp2_config(folder, mode="pure"), 2)}
     done = {}
     for name, (config, nproc) in launches.items():
@@ -96,16 +98,18 @@ def test_an_fsdp2_run_equals_one_process_on_the_global_batch_in_float32(runs):
     assert fsdp2["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-5)
 
 
-def test_in_float16_fsdp2_equals_ddp_and_pure_mode_uses_fsdp2s_mixed_precision_policy(runs):
-    autocast, ddp, pure = (model_of(runs[name]) for name in ("fsdp2-fp16", "ddp-fp16", "fsdp2-pure"))
-    assert [s["scale"] for s in steps(runs["fsdp2-fp16"])] == [s["scale"] for s in steps(runs["ddp-fp16"])]
+def test_adaptive_scaling_with_fsdp2_equals_ddp_and_pure_mode_uses_fsdp2s_mixed_precision_policy(runs):
+    adaptive, ddp, pure = (model_of(runs[name]) for name in ("fsdp2-adaptive", "ddp-adaptive", "fsdp2-pure"))
+    single = model_of(runs["one"])
+    assert summary(runs["fsdp2-adaptive"])["skipped_steps"] == summary(runs["ddp-adaptive"])["skipped_steps"] == 0
     for key in ddp:
-        # Each process's float16 gradients are the same under DDP and FSDP2; only the float32 reduction differs.
-        torch.testing.assert_close(autocast[key], ddp[key], rtol=1e-5, atol=1e-6)
+        # Each process's per-layer scales and float16 gradients are the same under DDP (whole model captured) and
+        # FSDP2 (each sharded block captured below its hooks); only the float32 reduction differs.
+        torch.testing.assert_close(adaptive[key], ddp[key], rtol=1e-5, atol=1e-6)
         # Pure mode gathers float16 parameters (FSDP2's MixedPrecisionPolicy) and computes every activation in
-        # float16; the float32 masters stay within float16's rounding of the autocast run's.
+        # float16; the float32 masters stay within float16's rounding of float32 training's.
         assert pure[key].dtype == torch.float32
-        assert relative_difference(pure[key], autocast[key]) < 1e-2, key
+        assert relative_difference(pure[key], single[key]) < 1e-2, key
     assert summary(runs["fsdp2-pure"])["status"] == "completed"
 
 

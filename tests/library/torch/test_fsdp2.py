@@ -1,7 +1,8 @@
 """``LossScaler`` on a model sharded with FSDP2 (``fully_shard``), two gloo processes on CPU
 (``tests/fsdp2_worker.py``): none, fixed and dynamic train exactly as one process on the global batch, an overflow in one rank's gradient shard
-skips the step on both ranks with one collective, and adaptive scaling, which cannot capture FSDP2's hooks yet, is
-refused by name in both orders of building."""
+skips the step on both ranks with one collective, adaptive scaling captures each sharded piece and equals one process
+too (float32, and float16 autocast), and what it cannot do (a scaler built before fully_shard, float16 gathers) is
+refused by name."""
 
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     return results
 
 
-def _single_process(method: str) -> list[torch.Tensor]:
+def _single_process(method: str, fp16: bool = False) -> list[torch.Tensor]:
     sys.path.insert(0, str(REPO / "tests"))
     try:
-        from fsdp2_worker import SCALES, batches, mlp
+        from fsdp2_worker import SCALES, batches, loss_of, mlp
     finally:
         sys.path.remove(str(REPO / "tests"))
     from adaloss.torch import LossScaler
@@ -48,13 +49,13 @@ def _single_process(method: str) -> list[torch.Tensor]:
     scaler = LossScaler(model, method, **SCALES[method])
     for x, y in batches():
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.scale(loss_of(model, x, y, fp16)).backward()
         scaler.step(optimizer)
         scaler.update()
     return [p.detach().flatten() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("method", ["none", "fixed", "dynamic"])
+@pytest.mark.parametrize("method", ["none", "fixed", "dynamic", "adaptive"])
 def test_a_sharded_run_equals_one_process_on_the_global_batch(ranks, method):
     """float32 compute: the same parameters up to the order of the gradient reductions."""
     expected = _single_process(method)
@@ -71,12 +72,21 @@ def test_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_both_ranks_with_on
         assert inf["collectives"] == 1  # the overflow flag's all-reduce, and nothing else
 
 
-def test_adaptive_scaling_of_an_fsdp2_model_is_refused_by_name_in_both_orders(ranks):
+def test_adaptive_scaling_of_a_sharded_model_in_float16_equals_one_process(ranks):
+    """Each rank picks its own per-layer scales from its half of the batch (power-of-two factors, unscaled before
+    the reduce-scatter): the parameters are one process's up to float16 rounding of each half's gradients."""
+    expected = _single_process("adaptive", fp16=True)
     for rank in ranks:
-        assert len(rank["adaptive"]) == 2
-        for message in rank["adaptive"]:
-            assert "cannot capture a model sharded with FSDP2 yet" in message
-            assert "LossScaler(model, 'dynamic')" in message
+        for got, want in zip(rank["adaptive-fp16"], expected):
+            got = torch.tensor(got)
+            assert float((got - want).norm() / want.norm()) < 1e-3
+
+
+def test_adaptive_scaling_refuses_a_scaler_built_before_fully_shard_and_float16_gathers_by_name(ranks):
+    for rank in ranks:
+        before, half = rank["adaptive"]
+        assert "after its adaptive LossScaler was built" in before and "after fully_shard" in before
+        assert "gathers its parameters in float16" in half and "param_dtype=None" in half
 
 
 def test_a_dcp_checkpoint_of_two_ranks_resumes_in_one_process_with_the_scalers_state(ranks):
