@@ -22,9 +22,10 @@ from adaloss_cli.results.plots.curves import training_figure
 from adaloss_cli.results.plots.scales import scale_figure
 from adaloss_cli.results.plots.underflow import underflow_figure, underflow_matrix
 from adaloss_cli.results.rundata import RunData
+from adaloss_cli.results.rundir import PLOT_FILES
 
 #: The files a directory's plots go to, and the function drawing each.
-FIGURES = (("training.png", training_figure), ("loss_scale.png", scale_figure), ("underflow.png", underflow_figure))
+FIGURES = tuple(zip(PLOT_FILES, (training_figure, scale_figure, underflow_figure)))
 
 
 def write_plots(folder: Path, groups: Sequence[Group], title: str) -> list[Path]:
