@@ -118,6 +118,20 @@ def test_the_accuracy_axes_are_fitted_to_the_data(tmp_path):
     assert [label.get_text() for label in final_ax.get_yticklabels()] == ["fixed", "adaptive"]
 
 
+def test_a_climb_that_squeezes_the_end_gets_a_zoomed_inset(tmp_path):
+    climb = [0.3, 0.6, 0.9, 0.95, 0.97, 0.98, 0.985, 0.987, 0.988, 0.989]
+    rows = [group(fake_run(tmp_path / "a", "fixed", accuracies=climb), "fixed"),
+            group(fake_run(tmp_path / "b", "dynamic", accuracies=[a - 0.002 for a in climb]), "dynamic")]
+    val_ax = training_figure(rows, "t").axes[1]
+    assert val_ax.get_ylim()[0] < 30  # the main axis shows the whole climb
+    inset, = val_ax.child_axes
+    low, high = inset.get_ylim()
+    assert low <= 97.8 and high >= 98.9 and high - low < 1.5  # the second half (97.8-98.9%), fitted
+    assert len(inset.get_lines()) == 2
+    flat = training_figure([group(fake_run(tmp_path / m, m), m) for m in ("none", "adaptive")], "t").axes[1]
+    assert not flat.child_axes  # 98-99% from the start: the main axis is already fitted
+
+
 def test_a_single_run_gets_the_curves_without_comparison_panels(tmp_path):
     figure = training_figure([group(fake_run(tmp_path / "r", "dynamic"), "dynamic")], "t")
     assert [ax.get_title() for ax in figure.axes] == ["Training loss, moving average over 5 steps",

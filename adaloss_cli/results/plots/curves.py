@@ -94,7 +94,7 @@ def _metric(language_model: bool) -> tuple[Callable[[dict], float], str, str]:
 
 def _draw_validation(ax, rows: Sequence[Group], styles, language_model: bool) -> None:
     metric, name, unit = _metric(language_model)
-    values = []
+    curves = []
     for group in rows:
         runs = [run for run in group.runs if run.steps]
         steps, mean, low, high = by_step(runs, lambda r: ((m.get("step"), metric(m)) for m in r.metrics))
@@ -102,18 +102,46 @@ def _draw_validation(ax, rows: Sequence[Group], styles, language_model: bool) ->
             continue
         style = styles[group.label]
         ax.plot(steps, mean, label=group.label, **style.line_kwargs(len(steps), len(rows)))
-        values += mean
+        curves.append((style, steps, mean))
         if len(runs) > 1:
             ax.fill_between(steps, low, high, color=style.color, alpha=0.15, lw=0)
-            values += low + high
+            curves.append((None, steps, low + high))
     ax.set(title=name + (" (lower is better)" if language_model else ""), xlabel="optimizer step",
            ylabel=name.lower() + unit)
     if language_model:
         if _spans_decades(ax):
             ax.set_yscale("log")
-    elif values:
+    elif curves:
+        values = [value for *_, ys in curves for value in ys]
         ax.set_ylim(*fitted_limits(values, ACCURACY_PAD_SHARE, ACCURACY_PAD_MIN, low=0.0, high=100.0))
+        _zoom_on_the_end(ax, curves, len(rows))
     _legend(ax)
+
+
+def _zoom_on_the_end(ax, curves, rows: int) -> None:
+    """An inset with the second half of training on an axis fitted to it, when the climb of the first half squeezes
+    the end (accuracy 30% -> 99%: the methods' 98-99% would share one pixel row)."""
+    last = max(step for _, steps, _ in curves for step in steps)
+    start = last / 2
+    late = [[(step, value) for step, value in zip(steps, ys) if step >= start] for _, steps, ys in curves]
+    late_values = [value for points in late for _, value in points]
+    if len({step for points in late for step, _ in points}) < 2:
+        return
+    low, high = fitted_limits(late_values, 0.15, 0.1, low=0.0, high=100.0)
+    whole = ax.get_ylim()
+    if (high - low) * 4 > whole[1] - whole[0]:
+        return  # the end is readable on the main axis
+    inset = ax.inset_axes([0.42, 0.1, 0.54, 0.46])
+    for (style, _, _), points in zip(curves, late):
+        if style is not None:
+            kwargs = style.line_kwargs(len(points), rows)
+            inset.plot([p[0] for p in points], [p[1] for p in points], **{**kwargs, "markevery": 1})
+    inset.set_ylim(low, high)
+    inset.set_xlim(start - (last - start) * 0.05, last + (last - start) * 0.05)
+    inset.set_title("second half, zoomed", fontsize="small")
+    inset.tick_params(labelsize="x-small")
+    inset.grid(True, alpha=0.3)
+    ax.indicate_inset_zoom(inset, edgecolor="0.4")
 
 
 def fitted_limits(values: Sequence[float], share: float, least: float, low: float = -math.inf,
