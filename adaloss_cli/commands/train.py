@@ -28,6 +28,8 @@ SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeata
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
               help="Override the config's device (auto = cuda when available).")
 @click.option("--overwrite", is_flag=True, help="Replace the contents of an existing --out directory.")
+@click.option("--no-plots", is_flag=True, help="Write no figures (training.png, loss_scale.png, underflow.png) into "
+                                              "the run directory at the end.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the run directory.")
 @click.option("--json", "as_json", is_flag=True,
               help="At the end print {kind, dir, summary} as JSON on stdout (instead of the text summary); progress "
@@ -37,11 +39,13 @@ SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeata
                    "through torch's elastic launcher like `torchrun --standalone --nproc-per-node N`. "
                    "training.batch_size is the global batch, split evenly across the processes.")
 def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[str, ...], out: Path | None,
-          device: str | None, overwrite: bool, quiet: bool, as_json: bool, nproc_per_node: int | None) -> None:
+          device: str | None, overwrite: bool, no_plots: bool, quiet: bool, as_json: bool,
+          nproc_per_node: int | None) -> None:
     """Train and evaluate one experiment and write its run directory.
 
     The config is validated first (as `adaloss validate` does); the run directory then holds config.yaml (as run),
-    meta.json, steps.jsonl, metrics.csv, scales.csv (adaptive) and summary.json.
+    meta.json, steps.jsonl, metrics.csv, scales.csv (adaptive) and summary.json, and once the run completed its
+    plots: training.png, loss_scale.png (loss scaling) and underflow.png (fp16 runs with per-layer statistics).
 
     \b
     Examples:
@@ -63,6 +67,7 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
     from adaloss_cli.distributed import PeerFailed, World, launch_command
     from adaloss.errors import Diverged
     from adaloss_cli.errors import Interrupted
+    from adaloss_cli.results.plots import write_run_plots_or_warn
     from adaloss_cli.results.report import format_summary
 
     ctx = click.get_current_context()
@@ -97,13 +102,16 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
         return
     if not world.is_main:
         return
+    plots = [] if no_plots else write_run_plots_or_warn(result.run_dir, lambda line: click.echo(f"Warning: {line}",
+                                                                                                  err=True))
     if as_json:
         click.echo(json.dumps({"kind": "run", "dir": str(result.run_dir), "summary": result.summary}, indent=2))
     elif quiet:
         click.echo(str(result.run_dir))
     else:
         click.echo(format_summary(result.summary))
-        click.echo(f"Run directory: {result.run_dir}")
+        click.echo(f"Run directory: {result.run_dir}" + (f" (plots: {', '.join(p.name for p in plots)})" if plots
+                                                          else ""))
 
 
 def _processes_to_launch(nproc_per_node: int | None, config_path: Path | None, resume_dir: Path | None,

@@ -20,7 +20,10 @@ from adaloss.errors import RuntimeFailure, UserError
 from adaloss_cli.results.files import TEMP_SUFFIX, atomic_write_text, remove_stale_temp_files
 from adaloss_cli.results.locks import LOCK_FILE, DirectoryLock
 
-RUN_FILES = ("config.yaml", "meta.json", "steps.jsonl", "metrics.csv", "scales.csv", "summary.json", "checkpoints")
+#: The figures a run directory gets once the run completed (results.plots; also a comparison directory's names).
+PLOT_FILES = ("training.png", "loss_scale.png", "underflow.png")
+RUN_FILES = ("config.yaml", "meta.json", "steps.jsonl", "metrics.csv", "scales.csv", "summary.json", "checkpoints",
+             *PLOT_FILES)
 MARKER = ".adaloss"
 RUN, COMPARE, SWEEP = "run", "compare", "sweep"
 #: Entries that a directory holds before anything was written into it.

@@ -203,8 +203,9 @@ class _Process:
 
 
 def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
-    """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet`` in a new process that
-    runs the same adaloss as this one (:mod:`adaloss_cli.self_command`).
+    """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet --no-plots`` in a new
+    process that runs the same adaloss as this one (:mod:`adaloss_cli.self_command`); the parent draws the
+    comparison's plots, so a child draws none of its own (as a child run in this process).
 
     ``stem`` names the child's scratch files (its config and its captured stderr).
     """
@@ -215,6 +216,6 @@ def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
         # A session of its own: Ctrl-C reaches only this process, which then asks each child once to stop (a
         # second signal would make the child stop at once, without its checkpoint).
         popen = subprocess.Popen([*adaloss_command(), "train", "--config", str(config_path), "--out",
-                                  str(child.run_dir), "--quiet"], env=env, stdout=subprocess.DEVNULL,
+                                  str(child.run_dir), "--quiet", "--no-plots"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=stderr, start_new_session=os.name == "posix")
     return _Process(child, popen, stderr_path)

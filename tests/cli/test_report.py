@@ -74,9 +74,18 @@ def test_report_groups_plain_run_directories_by_method(tmp_path):
                          f"run.seed={seed}", "--device", "cpu", "--out", run, "--quiet")
         assert result.exit_code == 0, result.output
         runs.append(run)
+    for run in runs:  # train drew each run's own plots; report draws them again
+        for name in ("training.png", "loss_scale.png", "underflow.png"):
+            (run / name).unlink(missing_ok=True)
     result = run_cli("report", *runs)
     assert result.exit_code == 0, result.output
     assert "--out" in result.stdout and not (tmp_path / "none-0" / "comparison.csv").exists()
+    listed = result.stdout.split("Plots:\n", 1)[1].split()
+    assert listed == [str(run / name) for run in runs for name in ("training.png", "loss_scale.png", "underflow.png")
+                      if run.name == "fixed-0" or name != "loss_scale.png"]  # method none has no loss scale
+    assert all(Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in listed)
+    quiet = run_cli("report", *runs, "--quiet")
+    assert quiet.stdout.split() == [str(run) for run in runs]
     out = tmp_path / "table"
     result = run_cli("report", *runs, "--out", out, "--json")
     rows = json.loads(result.stdout)[0]["rows"]

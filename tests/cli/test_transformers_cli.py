@@ -78,7 +78,7 @@ def test_vit_on_digits_writes_accuracy_and_no_perplexity(invoke, tmp_path, metho
         "self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2"))}
 
 
-def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path, monkeypatch):
+def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path):
     config = write_config(tmp_path / "c.yaml", **GPT, training={"iterations": 2}, precision={"dtype": "float16"})
     out = tmp_path / "cmp"
     result = invoke("compare", "fp32", "dynamic", "--config", config, "--out", out, "--quiet", "--device", "cpu")
@@ -91,16 +91,13 @@ def test_compare_adds_perplexity_columns_for_a_language_model(invoke, tmp_path, 
     for row in rows:
         assert float(row["final_val_perplexity_mean"]) == pytest.approx(math.exp(float(row["final_val_loss_mean"])))
     # training.png's right panel is the perplexity, with the values of metrics.csv, not next-token accuracy.
-    from adaloss_cli.results import plots
     from adaloss_cli.results.comparison import Group
+    from adaloss_cli.results.plots import training_figure
     from adaloss_cli.results.rundata import RunData
 
-    figures = []
-    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure))
     runs = [RunData(out / "runs" / f"{method}-seed0") for method in ("fp32", "dynamic")]
-    plots.plot_training([Group({"method": "fp32"}, runs[:1]), Group({"method": "dynamic"}, runs[1:])],
-                        tmp_path / "t.png", "gpt")
-    panel = figures[0].axes[1]
+    figure = training_figure([Group({"method": "fp32"}, runs[:1]), Group({"method": "dynamic"}, runs[1:])], "gpt")
+    panel = figure.axes[1]
     assert panel.get_title() == "Validation perplexity (lower is better)"
     assert panel.get_ylabel() == "validation perplexity"
     plotted = [y for line in panel.get_lines() for y in line.get_ydata()]
