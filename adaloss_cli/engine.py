@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import signal
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +29,7 @@ from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss.errors import Diverged, UserError
 from adaloss_cli.errors import Interrupted
 from adaloss_cli.model_size import check_model_size
-from adaloss_cli.progress import progress_bar
+from adaloss_cli.progress import NonfiniteNotes, progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
 
@@ -61,6 +61,43 @@ def plan_steps(config: ExperimentConfig, batches_per_epoch: int, train_examples:
     return Plan(steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
+#: Steps at the start of each process's share of a run that ms/step leaves out: allocator, kernel and cache
+#: warm-up (the first run of a process pays for the process's lazy initialisation too).
+WARMUP_STEPS = 5
+#: ms/step is the median over at most this many of the newest steady steps (a bounded sample in each checkpoint).
+TIMED_STEPS = 1000
+
+
+def nonfinite_limit(configured: int | None, total_steps: int) -> int:
+    """Non-finite losses in a row that stop a run as diverged: ``training.max_consecutive_nonfinite``, else 10% of
+    the run's steps within 10..100 (a 60-step run that went NaN stops after 10, not after outliving itself)."""
+    return configured if configured is not None else min(100, max(10, math.ceil(total_steps / 10)))
+
+
+#: A run that skipped more than this share of its steps trained on less than half of them.
+MOSTLY_SKIPPED = 0.5
+#: A final validation accuracy within this of the chance level (:func:`chance_accuracy`) is at chance.
+CHANCE_MARGIN = 0.02
+
+
+def chance_accuracy(labels: Any) -> float:
+    """The accuracy of always answering the most common validation label (its share): what a network that learned
+    nothing scores at best. For a language model, the share of the most common next token."""
+    import numpy as np
+
+    flat = np.asarray(labels).reshape(-1)
+    return float(np.bincount(flat).max() / flat.size) if flat.size else 0.0
+
+
+class LearnedNothing(Diverged):
+    """A run that went through all its steps without learning (:meth:`Progress.learned_nothing`); ``summary`` is
+    its summary, with status ``diverged`` and the reason as ``error``."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 @dataclass
 class Progress:
     """Everything the loop accumulates, so that a resumed run ends exactly as an uninterrupted one."""
@@ -70,18 +107,21 @@ class Progress:
     retries: int = 0
     consecutive_nonfinite: int = 0
     step_time: float = 0.0
+    steady_step_times: list[float] = field(default_factory=list)
     elapsed_before: float = 0.0
     epoch_losses: list[float] = field(default_factory=list)
     last_epoch_loss: float = float("nan")
     underflow: dict[str, list[float]] = field(default_factory=dict)
     evals: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, outcome: StepOutcome, seconds: float) -> None:
-        """Count one step."""
+    def add(self, outcome: StepOutcome, seconds: float, steady: bool) -> None:
+        """Count one step; ``steady``: a step past warm-up that was not recorded, whose time ms/step uses."""
         self.skipped += outcome.skipped
         self.overflows += outcome.overflow
         self.retries += outcome.retries
         self.step_time += seconds
+        if steady:
+            self.steady_step_times = [*self.steady_step_times[-(TIMED_STEPS - 1):], seconds]
         finite = math.isfinite(outcome.loss)
         self.consecutive_nonfinite = 0 if finite else self.consecutive_nonfinite + 1
         if finite:
@@ -89,6 +129,40 @@ class Progress:
         for record in outcome.layers:
             if math.isfinite(record.underflow_fraction):
                 self.underflow.setdefault(record.layer, []).append(record.underflow_fraction)
+
+    def time_per_step(self) -> float:
+        """Seconds per training step: the median over the steady steps (past each process's warm-up, not recorded:
+        a recorded step also runs the float32 measurement pass), so that neither the order of runs in one process
+        nor the record cadence changes it; the mean over every step when no step was steady (a run that records
+        every step)."""
+        if self.steady_step_times:
+            return statistics.median(self.steady_step_times)
+        return self.step_time / max(self.step, 1)
+
+    def learned_nothing(self, total_steps: int, chance: float) -> str | None:
+        """Why a run that went through all its steps learned nothing, or None when it may have learned.
+
+        Two rules, each needing the final evaluation's word as well as the steps', so an honest short run of a hard
+        task (at chance but training) and a fixed scale that overflows often but still learns stay completed:
+        the loss was not finite at the last step and the final validation loss is not finite either; or more than
+        :data:`MOSTLY_SKIPPED` of the run's steps were skipped and the final validation accuracy is at chance
+        (within :data:`CHANCE_MARGIN` of ``chance``) or its loss is not finite.
+        """
+        if not self.evals:
+            return None
+        final = self.evals[-1]
+        if self.consecutive_nonfinite and not math.isfinite(final["loss"]):
+            return (f"the loss was not finite on the last {self.consecutive_nonfinite} step(s) and the final "
+                    f"validation loss is {final['loss']}")
+        if self.skipped <= MOSTLY_SKIPPED * total_steps:
+            return None
+        skipped = f"{self.skipped} of {total_steps} steps were skipped (non-finite loss or gradients)"
+        if not math.isfinite(final["loss"]):
+            return f"{skipped} and the final validation loss is {final['loss']}"
+        if final["accuracy"] <= chance + CHANCE_MARGIN:
+            return (f"{skipped} and the final validation accuracy {final['accuracy']:.1%} is at chance level "
+                    f"({chance:.1%}, the share of the most common class)")
+        return None
 
     def close_epoch(self) -> float:
         """Mean finite training loss of the epoch that just ended."""
@@ -201,6 +275,7 @@ class Trainer:
         self.checkpoints = checkpoints
         self.world = world
         self.show_progress = progress and config.output.progress and world.is_main
+        self.notes = progress  # lines about non-finite losses: not with --quiet
         self.state = Progress()
         self.language_model = dataset.task == LANGUAGE_MODEL
         self._eval_shown: dict[str, str] = {}  # the last evaluation, on the progress bar (language models)
@@ -240,6 +315,9 @@ class Trainer:
         accum, faults = cfg.training.grad_accum_steps, _fault_steps(world.rank)
         bar = progress_bar(plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
                            enabled=self.show_progress, leave=True)
+        notes = NonfiniteNotes(bar, plan.total_steps, enabled=self.notes and world.is_main)
+        diverge_after = nonfinite_limit(cfg.training.max_consecutive_nonfinite, plan.total_steps)
+        warm_until = state.step + min(WARMUP_STEPS, plan.total_steps // 4)  # this process's warm-up
         # Adaptive scaling has no one scale to show: the bar shows the range of the last recorded layer scales.
         per_layer, scales = cfg.loss_scaling.method == "adaptive", None
         with _StopSignals() as stop, StopVote(world) as vote:
@@ -252,12 +330,11 @@ class Trainer:
                 backend.inject_nonfinite_loss = step in faults
                 t0 = time.perf_counter()
                 outcome = backend.train_step(micro, lr, record=record)
-                state.add(outcome, time.perf_counter() - t0)
+                state.add(outcome, time.perf_counter() - t0, steady=not record and step >= warm_until)
                 state.step = step + 1
                 self.writer.step(step, epoch, lr, outcome, state.elapsed_before + time.perf_counter() - started)
-                if not math.isfinite(outcome.loss) and world.is_main:
-                    bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
-                              else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
+                if not math.isfinite(outcome.loss):
+                    notes.add(step, outcome.loss, outcome.skipped)
                 scales = scale_range(outcome.layers) or scales
                 shown = {"scales": scales or "-"} if per_layer else {"scale": f"{outcome.scale:g}"}
                 bar.set_postfix(loss=f"{outcome.loss:.4f}", **shown, skipped=state.skipped, **self._eval_shown,
@@ -266,7 +343,8 @@ class Trainer:
                 last = step == plan.total_steps - 1
                 if step_in_epoch == plan.steps_per_epoch - 1 or last:
                     self._end_epoch(epoch, step, lr, last, started)
-                if state.consecutive_nonfinite >= cfg.training.max_consecutive_nonfinite:
+                if state.consecutive_nonfinite >= diverge_after:
+                    notes.flush()
                     raise Diverged(f"the loss was not finite for {state.consecutive_nonfinite} steps in a row "
                                    f"(up to step {step}); lower training.optimizer.lr, check the data, or use "
                                    "another loss_scaling.method")
@@ -278,14 +356,21 @@ class Trainer:
                     name = signal.Signals(signum).name
                     raise Interrupted(f"stopped by {name} after step {step}; a checkpoint was written: resume "
                                       f"with adaloss train --resume {self.writer.run_dir}", signum)
+        notes.flush()
         bar.close()
         self._checkpoint(time.perf_counter() - started)
         ranks = None
         if world.active:
-            ranks = world.gather({"rank": world.rank, "time_per_step_s": state.step_time / max(plan.total_steps, 1),
+            ranks = world.gather({"rank": world.rank, "time_per_step_s": state.time_per_step(),
                                   "skipped_steps": state.skipped,
                                   "params_sha256": backend.parameter_digest()})  # type: ignore[attr-defined]
-        return self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
+        summary = self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
+        reason = state.learned_nothing(plan.total_steps, chance_accuracy(dataset.y_val))
+        if reason is not None:  # the same verdict on every process: skips and evaluations are agreed on
+            reason = (f"learned nothing: {reason}; lower training.optimizer.lr, check the data, or choose another "
+                      "loss scale (loss_scaling)")
+            raise LearnedNothing(reason, {**summary, "status": "diverged", "error": reason})
+        return summary
 
     def _end_epoch(self, epoch: int, step: int, lr: float, last: bool, started: float) -> None:
         cfg, state = self.config, self.state
@@ -333,7 +418,7 @@ class Trainer:
             "skipped_steps": state.skipped, "overflow_steps": state.overflows, "retries": state.retries,
             "final_scale": backend.final_scale(),
             "wall_time_s": round(wall, 3),
-            "time_per_step_s": state.step_time / max(plan.total_steps, 1),
+            "time_per_step_s": state.time_per_step(),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,
             **state.underflow_summary(),
             "world_size": self.world.world_size,

@@ -129,8 +129,9 @@ class TrainingConfig:
                            "scaling, refresh steps and steps between refreshes each run as one compiled forward and "
                            "backward, scale logic included; other methods compile the model. Each input shape "
                            "compiles at its first step (seconds to minutes).")
-    max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
-                                            "loss is NaN or infinite.", min=1)
+    max_consecutive_nonfinite: Optional[int] = option(None, "Stop the run as diverged after this many steps in a "
+                                                      "row whose loss is NaN or infinite; null: 10% of the run's "
+                                                      "steps, at least 10 and at most 100.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")
     lr_schedule: ScheduleConfig = section(ScheduleConfig, "Learning-rate schedule.")
 
