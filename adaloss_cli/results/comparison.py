@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from adaloss_cli.results.files import atomic_write_text, clean_for_json
 from adaloss_cli.runs.methods import BASELINE
-from adaloss_cli.results.rundata import RunData
+from adaloss_cli.results.rundata import UNFINISHED, RunData
 
 #: Summary keys averaged over the completed runs of a group; accuracies also get their sample std.
 MEAN_KEYS = ("final_val_accuracy", "best_val_accuracy", "final_train_loss", "final_val_loss", "skipped_steps",
@@ -35,9 +35,6 @@ METRIC_COLUMNS = (
     "underflow_mean", "underflow_worst", "underflow_worst_layer", "time_per_step_s_mean", "peak_memory_mb_max",
     GAP_COLUMN, "notes",
 )
-#: Run statuses counted as ``interrupted``: stopped by a signal, or killed (meta.json still says running); such a
-#: run can be resumed (``compare --resume``, or ``batch`` again).
-UNFINISHED = ("interrupted", "running")
 
 #: Columns added after ``final_val_loss_mean`` when the runs are language models.
 PERPLEXITY_COLUMNS = ("final_val_perplexity_mean", "final_val_perplexity_std", "best_val_perplexity_mean")
@@ -158,12 +155,12 @@ def _note(run: RunData) -> str:
 
 
 def completion(groups: Sequence[Group]) -> str | None:
-    """``incomplete: 1 interrupted, 2 not run (of 4 runs)`` when some runs have not finished, else None (a
+    """``incomplete: 1 interrupted, 2 not run, of 4 runs`` when some runs have not finished, else None (a
     finished run may have diverged or failed: that is its result, shown in the table)."""
     statuses = [run.status for group in groups for run in group.runs]
     counts = {"interrupted": sum(s in UNFINISHED for s in statuses), "not run": statuses.count("missing")}
     parts = [f"{n} {what}" for what, n in counts.items() if n]
-    return f"incomplete: {', '.join(parts)} (of {len(statuses)} runs)" if parts else None
+    return f"incomplete: {', '.join(parts)}, of {len(statuses)} runs" if parts else None
 
 
 # ----------------------------------------------------------------------------------------------------- rendering
