@@ -32,6 +32,7 @@ from adaloss_cli.model_size import check_model_size
 from adaloss_cli.progress import NonfiniteNotes, progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
+from adaloss_cli.verdict import LearnedNothing, chance_accuracy, learned_nothing, nonfinite_limit
 
 
 @dataclass
@@ -66,36 +67,6 @@ def plan_steps(config: ExperimentConfig, batches_per_epoch: int, train_examples:
 WARMUP_STEPS = 5
 #: ms/step is the median over at most this many of the newest steady steps (a bounded sample in each checkpoint).
 TIMED_STEPS = 1000
-
-
-def nonfinite_limit(configured: int | None, total_steps: int) -> int:
-    """Non-finite losses in a row that stop a run as diverged: ``training.max_consecutive_nonfinite``, else 10% of
-    the run's steps within 10..100 (a 60-step run that went NaN stops after 10, not after outliving itself)."""
-    return configured if configured is not None else min(100, max(10, math.ceil(total_steps / 10)))
-
-
-#: A run that skipped more than this share of its steps trained on less than half of them.
-MOSTLY_SKIPPED = 0.5
-#: A final validation accuracy within this of the chance level (:func:`chance_accuracy`) is at chance.
-CHANCE_MARGIN = 0.02
-
-
-def chance_accuracy(labels: Any) -> float:
-    """The accuracy of always answering the most common validation label (its share): what a network that learned
-    nothing scores at best. For a language model, the share of the most common next token."""
-    import numpy as np
-
-    flat = np.asarray(labels).reshape(-1)
-    return float(np.bincount(flat).max() / flat.size) if flat.size else 0.0
-
-
-class LearnedNothing(Diverged):
-    """A run that went through all its steps without learning (:meth:`Progress.learned_nothing`); ``summary`` is
-    its summary, with status ``diverged`` and the reason as ``error``."""
-
-    def __init__(self, message: str, summary: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.summary = summary
 
 
 @dataclass
@@ -138,31 +109,6 @@ class Progress:
         if self.steady_step_times:
             return statistics.median(self.steady_step_times)
         return self.step_time / max(self.step, 1)
-
-    def learned_nothing(self, total_steps: int, chance: float) -> str | None:
-        """Why a run that went through all its steps learned nothing, or None when it may have learned.
-
-        Two rules, each needing the final evaluation's word as well as the steps', so an honest short run of a hard
-        task (at chance but training) and a fixed scale that overflows often but still learns stay completed:
-        the loss was not finite at the last step and the final validation loss is not finite either; or more than
-        :data:`MOSTLY_SKIPPED` of the run's steps were skipped and the final validation accuracy is at chance
-        (within :data:`CHANCE_MARGIN` of ``chance``) or its loss is not finite.
-        """
-        if not self.evals:
-            return None
-        final = self.evals[-1]
-        if self.consecutive_nonfinite and not math.isfinite(final["loss"]):
-            return (f"the loss was not finite on the last {self.consecutive_nonfinite} step(s) and the final "
-                    f"validation loss is {final['loss']}")
-        if self.skipped <= MOSTLY_SKIPPED * total_steps:
-            return None
-        skipped = f"{self.skipped} of {total_steps} steps were skipped (non-finite loss or gradients)"
-        if not math.isfinite(final["loss"]):
-            return f"{skipped} and the final validation loss is {final['loss']}"
-        if final["accuracy"] <= chance + CHANCE_MARGIN:
-            return (f"{skipped} and the final validation accuracy {final['accuracy']:.1%} is at chance level "
-                    f"({chance:.1%}, the share of the most common class)")
-        return None
 
     def close_epoch(self) -> float:
         """Mean finite training loss of the epoch that just ended."""
@@ -365,7 +311,8 @@ class Trainer:
                                   "skipped_steps": state.skipped,
                                   "params_sha256": backend.parameter_digest()})  # type: ignore[attr-defined]
         summary = self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
-        reason = state.learned_nothing(plan.total_steps, chance_accuracy(dataset.y_val))
+        reason = learned_nothing(plan.total_steps, state.skipped, state.consecutive_nonfinite,
+                                 state.evals[-1] if state.evals else None, chance_accuracy(dataset.y_val))
         if reason is not None:  # the same verdict on every process: skips and evaluations are agreed on
             reason = (f"learned nothing: {reason}; lower training.optimizer.lr, check the data, or choose another "
                       "loss scale (loss_scaling)")

@@ -18,7 +18,7 @@ from adaloss_cli.config import load_config
 from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss_cli.data import BatchStream, Dataset
 from adaloss_cli.distributed import SINGLE, SilentWriter, World, check_world
-from adaloss_cli.engine import LearnedNothing, Trainer, plan_steps, prepare
+from adaloss_cli.engine import Trainer, plan_steps, prepare
 from adaloss.errors import AdalossError, Diverged, UserError
 from adaloss_cli.errors import Interrupted
 from adaloss_cli.results.checkpoints import CheckpointStore, Latest
@@ -26,6 +26,7 @@ from adaloss_cli.results.files import atomic_write_text, read_json, remove_stale
 from adaloss_cli.results.locks import DirectoryLock
 from adaloss_cli.results.rundir import RUN, RUN_FILES, claim_exact_dir, create_run_dir, marker_kind
 from adaloss_cli.results.run_writer import LOG_FILES, RunWriter, metrics_columns
+from adaloss_cli.verdict import LearnedNothing
 
 
 @dataclass

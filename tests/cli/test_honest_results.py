@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from adaloss_cli.engine import FAULT_ENV, Progress, nonfinite_limit
+from adaloss_cli.engine import FAULT_ENV
+from adaloss_cli.verdict import learned_nothing, nonfinite_limit
 from helpers import write_config
 
 torch = pytest.importorskip("torch")
@@ -66,14 +67,14 @@ def test_the_lr_1e30_run_of_the_issue_stops_diverged_long_before_its_end(tmp_pat
 
 
 def test_skipped_steps_alone_do_not_fail_a_run_that_learned():
-    state = Progress(skipped=60, evals=[{"loss": 0.3, "accuracy": 0.9}])
-    assert state.learned_nothing(total_steps=100, chance=0.1) is None  # a fixed scale that overflows often
-    at_chance = Progress(skipped=10, evals=[{"loss": 2.3, "accuracy": 0.1}])
-    assert at_chance.learned_nothing(total_steps=100, chance=0.1) is None  # an honest short run of a hard task
-    dead = Progress(skipped=60, evals=[{"loss": 2.3, "accuracy": 0.11}])
-    assert "60 of 100 steps were skipped" in dead.learned_nothing(total_steps=100, chance=0.1)
-    stuck = Progress(consecutive_nonfinite=3, evals=[{"loss": float("nan"), "accuracy": 0.1}])
-    assert "not finite on the last 3 step(s)" in stuck.learned_nothing(total_steps=100, chance=0.1)
+    nan = float("nan")
+    # a fixed scale that overflows often but learns; an honest short run of a hard task, at chance but training
+    assert learned_nothing(100, 60, 0, {"loss": 0.3, "accuracy": 0.9}, chance=0.1) is None
+    assert learned_nothing(100, 10, 0, {"loss": 2.3, "accuracy": 0.1}, chance=0.1) is None
+    assert "60 of 100 steps were skipped" in learned_nothing(100, 60, 0, {"loss": 2.3, "accuracy": 0.11}, 0.1)
+    assert "final validation loss is nan" in learned_nothing(100, 51, 0, {"loss": nan, "accuracy": 0.5}, 0.1)
+    assert "not finite on the last 3 step(s)" in learned_nothing(100, 3, 3, {"loss": nan, "accuracy": 0.1}, 0.1)
+    assert learned_nothing(100, 3, 3, {"loss": 0.5, "accuracy": 0.8}, 0.1) is None  # NaN steps, finite weights
 
 
 def test_the_divergence_stop_scales_with_the_run_unless_set():
