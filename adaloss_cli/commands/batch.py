@@ -97,8 +97,10 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
                                  "set": sweep.common, "overrides": list(overrides), "swept": sweep.swept,
                                  "command": ["adaloss", *argv], "runs": [child.entry for child in children]}
         write_index(folder, index)
+        resumed = sum(child.resume for child in to_run)
         if not quiet and len(to_run) < len(children):
-            click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}", err=True)
+            click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}"
+                       + (f"; {resumed} continue from their checkpoints" if resumed else ""), err=True)
         runner = ChildRunner(jobs=jobs, stop_on_failure=not continue_on_error, progress=not quiet,
                              command=["adaloss", *argv], on_change=lambda: write_index(folder, index), desc="batch",
                              resume_hint="run the same command again to finish the sweep")

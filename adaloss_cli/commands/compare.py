@@ -127,7 +127,6 @@ def compare(methods: tuple[str, ...], config_path: Path | None, resume_dir: Path
             as_json: bool, quiet: bool) -> None:
     from adaloss.errors import RuntimeFailure
     from adaloss_cli.commands.report import show_outputs
-    from adaloss_cli.errors import Interrupted
     from adaloss_cli.results.index import COMPARE, compare_groups, write_index
     from adaloss_cli.results.rebuild import write_outputs
     from adaloss_cli.runs.children import ChildRunner, clear_for_rerun, plan_rerun

@@ -4,7 +4,6 @@ checkpoint does not silently retrain; interrupted comparisons and sweeps are fin
 
 from __future__ import annotations
 
-import csv
 import json
 import signal
 from pathlib import Path
@@ -192,8 +191,7 @@ def test_an_empty_config_file_is_refused_naming_it(tmp_path, invoke, text):
 
 
 def test_an_interrupted_sweep_continues_its_interrupted_run_from_the_checkpoint(tmp_path, invoke):
-    config = write_config(tmp_path / "base.yaml", training={"iterations": 10},
-                          output={"checkpoint_every": 3, "record_every": 2})
+    write_config(tmp_path / "base.yaml", training={"iterations": 10}, output={"checkpoint_every": 3, "record_every": 2})
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"base: base.yaml\nout: {tmp_path / 'sweep'}\ngrid:\n  run.seed: [0, 1]\n")
     assert invoke("batch", sweep, "--quiet", "--no-plots").exit_code == 0
@@ -230,7 +228,3 @@ def test_a_signal_to_an_in_process_child_gives_the_parents_hint(tmp_path, invoke
     [line] = error_lines(result.output)
     assert f"adaloss compare --resume {tmp_path / 'cmp'}" in line and "train --resume" not in line
 
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as handle:
-        return list(csv.DictReader(handle))
