@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import signal
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,10 +30,11 @@ from adaloss_cli.distributed import SINGLE, StopVote, World, check_world
 from adaloss.errors import Diverged, UserError
 from adaloss_cli.errors import Interrupted
 from adaloss_cli.model_size import check_model_size
-from adaloss_cli.progress import progress_bar
+from adaloss_cli.progress import NonfiniteNotes, progress_bar
 from adaloss_cli.results.checkpoints import CheckpointStore
 from adaloss_cli.results.run_writer import RunWriter
 from adaloss_cli.tensorboard_log import TensorBoardLog, check_tensorboard
+from adaloss_cli.verdict import LearnedNothing, chance_accuracy, learned_nothing, nonfinite_limit
 
 
 @dataclass
@@ -63,6 +64,13 @@ def plan_steps(config: ExperimentConfig, batches_per_epoch: int, train_examples:
     return Plan(steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
+#: Steps at the start of each process's share of a run that ms/step leaves out: allocator, kernel and cache
+#: warm-up (the first run of a process pays for the process's lazy initialisation too).
+WARMUP_STEPS = 5
+#: ms/step is the median over at most this many of the newest steady steps (a bounded sample in each checkpoint).
+TIMED_STEPS = 1000
+
+
 @dataclass
 class Progress:
     """Everything the loop accumulates, so that a resumed run ends exactly as an uninterrupted one."""
@@ -72,18 +80,21 @@ class Progress:
     retries: int = 0
     consecutive_nonfinite: int = 0
     step_time: float = 0.0
+    steady_step_times: list[float] = field(default_factory=list)
     elapsed_before: float = 0.0
     epoch_losses: list[float] = field(default_factory=list)
     last_epoch_loss: float = float("nan")
     underflow: dict[str, list[float]] = field(default_factory=dict)
     evals: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, outcome: StepOutcome, seconds: float) -> None:
-        """Count one step."""
+    def add(self, outcome: StepOutcome, seconds: float, steady: bool) -> None:
+        """Count one step; ``steady``: a step past warm-up that was not recorded, whose time ms/step uses."""
         self.skipped += outcome.skipped
         self.overflows += outcome.overflow
         self.retries += outcome.retries
         self.step_time += seconds
+        if steady:
+            self.steady_step_times = [*self.steady_step_times[-(TIMED_STEPS - 1):], seconds]
         finite = math.isfinite(outcome.loss)
         self.consecutive_nonfinite = 0 if finite else self.consecutive_nonfinite + 1
         if finite:
@@ -91,6 +102,15 @@ class Progress:
         for record in outcome.layers:
             if math.isfinite(record.underflow_fraction):
                 self.underflow.setdefault(record.layer, []).append(record.underflow_fraction)
+
+    def time_per_step(self) -> float:
+        """Seconds per training step: the median over the steady steps (past each process's warm-up, not recorded:
+        a recorded step also runs the float32 measurement pass), so that neither the order of runs in one process
+        nor the record cadence changes it; the mean over every step when no step was steady (a run that records
+        every step)."""
+        if self.steady_step_times:
+            return statistics.median(self.steady_step_times)
+        return self.step_time / max(self.step, 1)
 
     def close_epoch(self) -> float:
         """Mean finite training loss of the epoch that just ended."""
@@ -190,6 +210,7 @@ class Trainer:
         self.checkpoints = checkpoints
         self.world = world
         self.show_progress = progress and config.output.progress and world.is_main
+        self.notes = progress  # lines about non-finite losses: not with --quiet
         self.state = Progress()
         self.language_model = dataset.task == LANGUAGE_MODEL
         self._eval_shown: dict[str, str] = {}  # the last evaluation, on the progress bar
@@ -244,6 +265,9 @@ class Trainer:
         accum, faults = cfg.training.grad_accum_steps, _fault_steps(world.rank)
         bar = progress_bar(plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
                            enabled=self.show_progress, leave=True)
+        notes = NonfiniteNotes(bar, plan.total_steps, enabled=self.notes and world.is_main)
+        diverge_after = nonfinite_limit(cfg.training.max_consecutive_nonfinite, plan.total_steps)
+        warm_until = state.step + min(WARMUP_STEPS, plan.total_steps // 4)  # this process's warm-up
         # Adaptive scaling has no one scale to show: the bar shows the spread of the last recorded layer scales.
         per_layer = cfg.loss_scaling.method == "adaptive"
         with _StopSignals() as stop, StopVote(world) as vote:
@@ -256,14 +280,13 @@ class Trainer:
                 backend.inject_nonfinite_loss = step in faults
                 t0 = time.perf_counter()
                 outcome = backend.train_step(micro, lr, record=record)
-                state.add(outcome, time.perf_counter() - t0)
+                state.add(outcome, time.perf_counter() - t0, steady=not record and step >= warm_until)
                 state.step = step + 1
                 self.writer.step(step, epoch, lr, outcome, state.elapsed_before + time.perf_counter() - started)
                 if self.live is not None:
                     self.live.step(step, lr, outcome, state.skipped)
-                if not math.isfinite(outcome.loss) and world.is_main:
-                    bar.write(f"step {step}: loss is {outcome.loss}; the step was skipped" if outcome.skipped
-                              else f"step {step}: loss is {outcome.loss}", file=sys.stderr)
+                if not math.isfinite(outcome.loss):
+                    notes.add(step, outcome.loss, outcome.skipped)
                 self._layer_scales = scale_spread(s.weight_scale for s in outcome.layer_scales) or self._layer_scales
                 shown = ({"scales": str(self._layer_scales or "-")} if per_layer
                          else {"scale": f"{outcome.scale:g}"})
@@ -273,7 +296,8 @@ class Trainer:
                 last = step == plan.total_steps - 1
                 if step_in_epoch == plan.steps_per_epoch - 1 or last:
                     self._end_epoch(epoch, step, lr, last, started)
-                if state.consecutive_nonfinite >= cfg.training.max_consecutive_nonfinite:
+                if state.consecutive_nonfinite >= diverge_after:
+                    notes.flush()
                     raise Diverged(f"the loss was not finite for {state.consecutive_nonfinite} steps in a row "
                                    f"(up to step {step}); lower training.optimizer.lr, check the data, or use "
                                    "another loss_scaling.method")
@@ -285,14 +309,22 @@ class Trainer:
                     name = signal.Signals(signum).name
                     raise Interrupted(f"stopped by {name} after step {step}; a checkpoint was written: resume "
                                       f"with adaloss train --resume {self.writer.run_dir}", signum)
+        notes.flush()
         bar.close()
         self._checkpoint(time.perf_counter() - started)
         ranks = None
         if world.active:
-            ranks = world.gather({"rank": world.rank, "time_per_step_s": state.step_time / max(plan.total_steps, 1),
+            ranks = world.gather({"rank": world.rank, "time_per_step_s": state.time_per_step(),
                                   "skipped_steps": state.skipped,
                                   "params_sha256": backend.parameter_digest()})  # type: ignore[attr-defined]
-        return self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
+        summary = self._summary(plan, state.elapsed_before + time.perf_counter() - started, ranks)
+        reason = learned_nothing(plan.total_steps, state.skipped, state.consecutive_nonfinite,
+                                 state.evals[-1] if state.evals else None, chance_accuracy(dataset.y_val))
+        if reason is not None:  # the same verdict on every process: skips and evaluations are agreed on
+            reason = (f"learned nothing: {reason}; lower training.optimizer.lr, check the data, or choose another "
+                      "loss scale (loss_scaling)")
+            raise LearnedNothing(reason, {**summary, "status": "diverged", "error": reason})
+        return summary
 
     def _end_epoch(self, epoch: int, step: int, lr: float, last: bool, started: float) -> None:
         cfg, state = self.config, self.state
@@ -353,7 +385,7 @@ class Trainer:
             "final_scale": backend.final_scale(),
             **self._final_layer_scales(),
             "wall_time_s": round(wall, 3),
-            "time_per_step_s": state.step_time / max(plan.total_steps, 1),
+            "time_per_step_s": state.time_per_step(),
             "peak_memory_mb": round(peak / 2**20, 1) if peak is not None else None,
             **state.underflow_summary(),
             "world_size": self.world.world_size,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import yaml
 
 from adaloss_cli.backends.base import Backend
 from adaloss_cli.config import load_config
@@ -20,10 +22,11 @@ from adaloss_cli.engine import Trainer, plan_steps, prepare
 from adaloss.errors import AdalossError, Diverged, UserError
 from adaloss_cli.errors import Interrupted
 from adaloss_cli.results.checkpoints import CheckpointStore, Latest
-from adaloss_cli.results.files import read_json, remove_stale_temp_files
+from adaloss_cli.results.files import atomic_write_text, read_json, remove_stale_temp_files, write_failure
 from adaloss_cli.results.locks import DirectoryLock
 from adaloss_cli.results.rundir import RUN, RUN_FILES, claim_exact_dir, create_run_dir, marker_kind
 from adaloss_cli.results.run_writer import LOG_FILES, RunWriter, metrics_columns
+from adaloss_cli.verdict import LearnedNothing
 
 
 @dataclass
@@ -101,6 +104,8 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
 #: Keys of config.yaml that may change between a checkpoint and its resume: they change no number of the run.
 RESUMABLE_EDITS = ("output.root", "output.progress", "output.checkpoint_every", "output.keep_checkpoints",
                    "output.tensorboard")
+#: The keys ``train --resume RUN --set`` may change: a run made longer continues from its newest checkpoint.
+EXTENDABLE = ("training.epochs", "training.iterations")
 
 
 def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -110,12 +115,12 @@ def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: data}
 
 
-def config_edits(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_edits(saved: dict[str, Any], current: dict[str, Any], allowed: Sequence[str] = ()) -> list[str]:
     """``key: old -> new`` for each key whose value differs between two resolved configs (edits that cannot
-    change a run's numbers, :data:`RESUMABLE_EDITS`, aside)."""
+    change a run's numbers, :data:`RESUMABLE_EDITS`, and the ``allowed`` keys aside)."""
     old, new = flatten_config(saved), flatten_config(current)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in dict.fromkeys([*old, *new])
-            if key not in RESUMABLE_EDITS and old.get(key) != new.get(key)]
+            if key not in (*RESUMABLE_EDITS, *allowed) and old.get(key) != new.get(key)]
 
 
 def _check_resumable_dir(run_dir: Path) -> None:
@@ -133,9 +138,11 @@ def _check_resumable_dir(run_dir: Path) -> None:
                             "own files (adaloss never writes through a link)")
 
 
-def _open_for_resume(run_dir: Path, world_size: int, held: list[DirectoryLock]) -> tuple[ExperimentConfig, Latest]:
-    """The config and newest readable checkpoint of a run that can be resumed with ``world_size`` processes; the
-    directory's lock is added to ``held`` and its stale temporary files are removed."""
+def _open_for_resume(run_dir: Path, world_size: int, held: list[DirectoryLock], extend: Sequence[str] = ()
+                     ) -> tuple[ExperimentConfig, Latest, ExperimentConfig | None]:
+    """The config (with the ``extend`` overrides of :data:`EXTENDABLE` keys applied) and newest readable checkpoint
+    of a run that can be resumed with ``world_size`` processes, and the config it ran with when there is an
+    ``extend``; the directory's lock is added to ``held`` and its stale temporary files are removed."""
     _check_resumable_dir(run_dir)
     held.append(DirectoryLock.acquire(run_dir, "run directory"))
     meta: dict[str, Any] = {}
@@ -146,30 +153,72 @@ def _open_for_resume(run_dir: Path, world_size: int, held: list[DirectoryLock]) 
                 raise ValueError(f"it holds a {type(meta).__name__}, not an object")
         except (OSError, ValueError) as err:
             raise UserError(f"--resume '{run_dir}': meta.json is unreadable ({err}); start a new run") from None
-    if meta.get("status") == "completed":
-        raise UserError(f"--resume '{run_dir}': the run already completed; start a new run instead")
+    if meta.get("status") == "completed" and not extend:
+        raise UserError(f"--resume '{run_dir}': the run already completed; extend it with --set training.epochs=N "
+                        "(or training.iterations=N) above its own, or start a new run")
     trained_on = meta.get("world_size", 1)
-    config = load_config(run_dir / "config.yaml")
+    ran_with = load_config(run_dir / "config.yaml")
     # An FSDP2 run's checkpoints hold full, rank-independent state: it resumes on any number of processes.
-    if trained_on != world_size and config.training.distributed != "fsdp2":
+    if trained_on != world_size and ran_with.training.distributed != "fsdp2":
         raise UserError(f"--resume '{run_dir}': the run trained on {trained_on} process(es), this is {world_size}; "
                         f"resume it with as many (adaloss train --resume {run_dir} --nproc-per-node {trained_on}, "
                         "or the same torchrun options); a run with training.distributed: fsdp2 resumes on any "
                         "number")
+    config = load_config(run_dir / "config.yaml", list(extend)) if extend else ran_with
     store = CheckpointStore(run_dir, config.output.keep_checkpoints)
     store.remove_stale_temp_files()
     remove_stale_temp_files(run_dir)
     latest = store.latest()
+    if latest.record is None:
+        _check_nothing_lost(run_dir, config)
     saved = (latest.record or {}).get("config")
-    edits = config_edits(saved, resolved_config_dict(config)) if saved is not None else []
+    edits = config_edits(saved, resolved_config_dict(config), EXTENDABLE if extend else ()) if saved is not None \
+        else []
     if edits:
         raise UserError(f"--resume '{run_dir}': config.yaml was edited after the checkpoint of step "
                         f"{latest.record['step']} ({'; '.join(edits[:5])}{' and more' if len(edits) > 5 else ''}); "
                         "the run cannot continue with other settings: undo the edit, or start a new run")
     for note in latest.skipped:
         print(f"Warning: checkpoint {note} is unreadable; resuming from an older one", file=sys.stderr)
-    return config, latest
+    return config, latest, (ran_with if extend else None)
 
+
+def _check_nothing_lost(run_dir: Path, config: ExperimentConfig) -> None:
+    """A run without any checkpoint resumes from step 0: refused when it had trained steps (they would be silently
+    trained again), said in a note when it had not (killed before its first step: nothing is lost)."""
+    try:
+        with open(run_dir / "steps.jsonl", "rb") as log:
+            trained = sum(chunk.count(b"\n") for chunk in iter(lambda: log.read(1 << 20), b""))
+    except FileNotFoundError:
+        trained = 0
+    if trained:
+        every = config.output.checkpoint_every
+        first = f", before its first checkpoint at step {every}" if every else ""
+        raise UserError(f"--resume '{run_dir}': the run has no checkpoint (it stopped after {trained} steps{first}), "
+                        "so it cannot continue where it stopped; start it again with adaloss train --config "
+                        f"{run_dir / 'config.yaml'} --out {run_dir} --overwrite")
+    print(f"Note: '{run_dir}' stopped before its first step; starting it from step 0", file=sys.stderr)
+
+
+def _check_extension(run_dir: Path, extend: Sequence[str], config: ExperimentConfig, ran_with: ExperimentConfig,
+                     dataset: Dataset) -> None:
+    """An extended run must plan more steps than it was planned for (a shorter run cannot be resumed past its
+    end); a schedule that depends on the run's length (cosine, step) is noted, as it now spans the longer run."""
+    def total(cfg: ExperimentConfig) -> int:
+        stream = BatchStream(dataset, cfg.training.batch_size, cfg.run.seed, augment=False)
+        return plan_steps(cfg, stream.batches_per_epoch, dataset.num_train).total_steps
+
+    before, after = total(ran_with), total(config)
+    if after <= before:
+        hint = (" (training.iterations is set, and it overrides training.epochs)"
+                if config.training.iterations is not None and any(o.startswith("training.epochs") for o in extend)
+                else "")
+        raise UserError(f"--resume '{run_dir}' --set {' '.join(extend)}: that makes {after} steps, not more than the "
+                        f"{before} the run was planned for{hint}; --set extends a run: give a larger value")
+    schedule = config.training.lr_schedule.name
+    if schedule != "constant":
+        print(f"Note: the {schedule} learning-rate schedule now spans {after} steps instead of {before}: the "
+              "steps still to train follow the longer schedule", file=sys.stderr)
 
 def run_world_size(run_dir: Path) -> int:
     """How many processes a run directory trained on (1 when unknown)."""
@@ -180,7 +229,7 @@ def run_world_size(run_dir: Path) -> int:
 
 
 def resume_experiment(run_dir: Path, *, progress: bool = True, command: list[str] | None = None,
-                      world: World = SINGLE) -> RunResult:
+                      world: World = SINGLE, extend: Sequence[str] = ()) -> RunResult:
     """Continue an interrupted or failed run in place, from its newest readable checkpoint (or from the start when
     it has none yet).
 
@@ -189,13 +238,26 @@ def resume_experiment(run_dir: Path, *, progress: bool = True, command: list[str
     written (timings aside). The directory stays locked while the run writes it. A distributed run resumes on as
     many processes: rank 0 reads the directory and sends config and checkpoint to the others, so only rank 0's
     machine needs to see it.
+
+    ``extend`` (``training.epochs=N`` or ``training.iterations=N``, :data:`EXTENDABLE`) makes the run longer, an
+    interrupted or a completed one: it continues from its newest checkpoint to the new end, and config.yaml records
+    the new length.
     """
     run_dir = Path(run_dir)
     held: list[DirectoryLock] = []
     try:
-        config, latest = world.agree(lambda: _open_for_resume(run_dir, world.world_size, held), main_only=True)
+        config, latest, ran_with = world.agree(lambda: _open_for_resume(run_dir, world.world_size, held, extend),
+                                               main_only=True)
         record = latest.record
         dataset, backend = prepare(config, world)
+        if ran_with is not None:
+            world.agree(lambda: _check_extension(run_dir, extend, config, ran_with, dataset), main_only=True)
+            if world.is_main:
+                try:
+                    atomic_write_text(run_dir / "config.yaml",
+                                      yaml.safe_dump(resolved_config_dict(config), sort_keys=False))
+                except OSError as err:
+                    raise write_failure(run_dir / "config.yaml", err) from None
         writer = (RunWriter.reopen(run_dir, record["offsets"] if record else {}, command,
                                    metrics_columns=metrics_columns(dataset.task)) if world.is_main
                   else SilentWriter(run_dir))
@@ -219,6 +281,9 @@ def _train(config: ExperimentConfig, dataset: Dataset, backend: Backend, writer:
     except KeyboardInterrupt:
         _record_end(writer, "interrupted", "interrupted by a signal before a checkpoint could be written")
         raise
+    except LearnedNothing as err:  # went through every step: its summary says what it ended at, and why
+        _record_end(writer, "diverged", str(err), err.summary)
+        raise
     except Diverged as err:
         _record_end(writer, "diverged", str(err))
         raise
@@ -232,10 +297,11 @@ def _train(config: ExperimentConfig, dataset: Dataset, backend: Backend, writer:
     return RunResult(run_dir=writer.run_dir, summary=summary)
 
 
-def _record_end(writer: RunWriter | SilentWriter, status: str, error: str) -> None:
-    """Write the final status of a run that ended early; a failure to write it (the disk is full) must not hide
-    the error that ended the run, so it is only noted."""
+def _record_end(writer: RunWriter | SilentWriter, status: str, error: str,
+                summary: dict[str, Any] | None = None) -> None:
+    """Write the final status of a run that did not complete (and its summary, when it has one); a failure to
+    write it (the disk is full) must not hide the error that ended the run, so it is only noted."""
     try:
-        writer.finish(status, error=error)
+        writer.finish(status, summary, error=error)
     except AdalossError as err:
         print(f"Warning: {err}", file=sys.stderr)

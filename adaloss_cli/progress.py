@@ -86,3 +86,51 @@ def progress_bar(total: int, *, desc: str, unit: str, enabled: bool = True, init
         return tqdm(total=total, desc=desc, unit=unit, initial=initial, disable=not enabled, dynamic_ncols=True,
                     **tqdm_options)
     return PlainProgress(total, desc=desc, unit=unit, initial=initial, disable=not enabled)
+
+
+class NonfiniteNotes:
+    """Lines about steps whose loss was not finite, summarised so that a run of NaN steps cannot flood the terminal.
+
+    The first such step gets a line of its own; later ones are counted and reported together, at most once per
+    ``every`` steps (a tenth of the run, the cadence of :class:`PlainProgress`), and once more by :meth:`flush` at
+    the end. Nothing is printed when not ``enabled`` (``--quiet``): the run's summary counts the skipped steps.
+    """
+
+    def __init__(self, bar: ProgressBar, total: int, *, enabled: bool, every: float = 0.1) -> None:
+        self.bar, self.enabled = bar, enabled
+        self._every = max(1, round(total * every))
+        self._first: int | None = None  # first step not reported yet
+        self._last = 0
+        self._count = self._skipped = 0
+        self._next_line = 0  # the step from which the next summary line may be printed
+        self._shown_any = False
+
+    def add(self, step: int, loss: float, skipped: bool) -> None:
+        """Note step ``step``, whose loss was ``loss`` (not finite)."""
+        if not self.enabled:
+            return
+        if not self._shown_any:
+            self._shown_any = True
+            self._next_line = step + self._every
+            self._write(f"step {step}: loss is {loss}" + ("; the step was skipped" if skipped else "")
+                        + f" (further non-finite steps are reported together, at most every {self._every} steps)")
+            return
+        if self._first is None:
+            self._first = step
+        self._last, self._count, self._skipped = step, self._count + 1, self._skipped + skipped
+        if step >= self._next_line:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report the steps counted since the last line, if any."""
+        if not self._count:
+            return
+        where = f"step {self._first}" if self._count == 1 else f"steps {self._first}-{self._last}"
+        skipped = "skipped" if self._skipped == self._count else f"{self._skipped} skipped"
+        self._write(f"{where}: the loss was not finite on {self._count} step{'s' if self._count > 1 else ''} "
+                    f"({skipped})")
+        self._next_line = self._last + self._every
+        self._first, self._count, self._skipped = None, 0, 0
+
+    def _write(self, text: str) -> None:
+        self.bar.write(text, file=sys.stderr)

@@ -12,22 +12,6 @@ from adaloss_cli.cli import ARGV_KEY
 from adaloss_cli.commands.params import CONFIG_FILE
 
 
-def config_change(run_dir: Path, config) -> str | None:
-    """How a finished child's config.yaml differs from ``config`` (``key: old -> new``); output.* is ignored, and
-    so are keys only one side has (a newer adaloss may add keys with defaults)."""
-    import yaml
-
-    from adaloss_cli.experiment import flatten_config, resolved_config_dict
-    from adaloss_cli.results.rundata import RunData
-
-    old = flatten_config(RunData(run_dir).config)
-    new = flatten_config(yaml.safe_load(yaml.safe_dump(resolved_config_dict(config))))
-    for key in new:
-        if key in old and not key.startswith("output.") and old[key] != new[key]:
-            return f"{key}: {old[key]!r} -> {new[key]!r}"
-    return None
-
-
 @click.command()
 @click.argument("sweep_file", type=CONFIG_FILE, metavar="SWEEP")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -60,8 +44,9 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
 
     Every combination's config is validated before anything runs (all problems at once, exit 2). Each run goes to
     <out>/runs/<name>, its name made from the swept values (method=none,seed=0); index.json maps names to
-    overrides. A second invocation skips completed and diverged runs and re-runs failed or interrupted ones from
-    scratch; a finished run whose config no longer matches the sweep is an error (choose another --out). The end
+    overrides. A second invocation skips completed and diverged runs, continues interrupted ones from their newest
+    checkpoint and re-runs failed ones from scratch; a finished run whose config no longer matches the sweep is an
+    error (choose another --out). The end
     writes summary.csv, summary.md and plots, one row per combination of the swept keys with mean and std over
     run.seed. Without --continue-on-error the first failure stops the sweep (exit 1, after the summary of what
     finished).
@@ -75,11 +60,11 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
     """
     from adaloss_cli.commands.report import show_outputs
     from adaloss.errors import RuntimeFailure, UserError
-    from adaloss_cli.runs.children import Child, ChildRunner
+    from adaloss_cli.runs.children import Child, ChildRunner, can_resume, clear_for_rerun, plan_rerun
     from adaloss_cli.results.index import SWEEP, sweep_groups, write_index
     from adaloss_cli.results.rundata import FINISHED, run_status
     from adaloss_cli.results.rebuild import write_outputs
-    from adaloss_cli.results.rundir import SWEEP as SWEEP_KIND, open_collection_dir, remove_run_dir
+    from adaloss_cli.results.rundir import SWEEP as SWEEP_KIND, open_collection_dir
     from adaloss_cli.runs.sweep import load_sweep
 
     sweep = load_sweep(sweep_file, out, overrides)
@@ -90,42 +75,35 @@ def batch(sweep_file: Path, overrides: tuple[str, ...], out: Path | None, jobs: 
         width = max(len(point.name) for point in sweep.points)
         for point in sweep.points:
             state = states[point.name]
-            action = "skip" if state in FINISHED else "run" if state == "missing" else "re-run"
+            resumable = can_resume(Child(point.name, point.config, folder / "runs" / point.name))
+            action = ("skip" if state in FINISHED else "run" if state == "missing" else "resume" if resumable
+                      else "re-run")
             click.echo(f"  {point.name:<{width}}  {action:<6} ({state})")
         return
     lock = open_collection_dir(folder, SWEEP_KIND)
     argv = click.get_current_context().meta.get(ARGV_KEY, sys.argv[1:])
     with lock:
-        children, to_run, stale = [], [], []
-        for point in sweep.points:
-            run_dir = folder / "runs" / point.name
-            entry = {"name": point.name, "dir": f"runs/{point.name}", "overrides": point.overrides,
-                     "status": states[point.name], "error": None}
-            child = Child(point.name, point.config, run_dir, entry)
-            children.append(child)
-            if states[point.name] in FINISHED:
-                change = config_change(run_dir, point.config)
-                if change:
-                    stale.append(f"{point.name} ({change})")
-            else:
-                entry["status"] = "pending"
-                to_run.append(child)
+        children = [Child(point.name, point.config, folder / "runs" / point.name,
+                          {"name": point.name, "dir": f"runs/{point.name}", "overrides": point.overrides,
+                           "status": states[point.name], "error": None}) for point in sweep.points]
+        to_run, stale = plan_rerun(children)
         if stale:
             raise UserError(f"'{folder}' holds finished runs made with other settings: {'; '.join(stale[:3])}"
                             f"{' and more' if len(stale) > 3 else ''}; choose another `out` (or --out), or delete "
                             "those run directories to re-run them")
-        for child in to_run:
-            if child.run_dir.exists() or child.run_dir.is_symlink():  # failed or interrupted: start again
-                remove_run_dir(child.run_dir)
+        clear_for_rerun(to_run)
         (folder / "runs").mkdir(exist_ok=True)
         index: dict[str, Any] = {"kind": SWEEP, "sweep_file": str(sweep_file), "base": str(sweep.base),
                                  "set": sweep.common, "overrides": list(overrides), "swept": sweep.swept,
                                  "command": ["adaloss", *argv], "runs": [child.entry for child in children]}
         write_index(folder, index)
+        resumed = sum(child.resume for child in to_run)
         if not quiet and len(to_run) < len(children):
-            click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}", err=True)
+            click.echo(f"Skipping {len(children) - len(to_run)} finished runs of {len(children)}"
+                       + (f"; {resumed} continue from their checkpoints" if resumed else ""), err=True)
         runner = ChildRunner(jobs=jobs, stop_on_failure=not continue_on_error, progress=not quiet,
-                             command=["adaloss", *argv], on_change=lambda: write_index(folder, index), desc="batch")
+                             command=["adaloss", *argv], on_change=lambda: write_index(folder, index), desc="batch",
+                             resume_hint="run the same command again to finish the sweep")
         try:
             failed = runner.run(to_run)
         finally:

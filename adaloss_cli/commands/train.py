@@ -20,7 +20,9 @@ SET_HELP = "Override a config key, e.g. --set training.optimizer.lr=0.1 (repeata
 @click.option("--config", "config_path", type=CONFIG_FILE,
               help="Experiment YAML file, or a shipped config's name (digits; `adaloss configs` lists them).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Continue an interrupted run directory from its newest checkpoint (instead of --config).")
+              help="Continue an interrupted run directory from its newest checkpoint (instead of --config); with "
+                   "--set training.epochs=N (or training.iterations=N) above its own, make a run longer, a "
+                   "completed one too.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write the run into exactly this directory (default: a new <output.root>/<name>-<method>-"
@@ -54,9 +56,12 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
       adaloss train --config resnet --set data.root=~/data/cifar-10-batches-py --device cuda
       adaloss train --config mlp --quiet --json > summary.json
       adaloss train --resume runs/digits-cnn-dynamic-20261121-120000
+      adaloss train --resume runs/digits-cnn-dynamic-20261121-120000 --set training.epochs=40
 
     SIGINT (Ctrl-C) or SIGTERM stops after the current step with a checkpoint (status `interrupted`, exit code
-    128 + the signal number); `--resume` then continues to exactly the result of an uninterrupted run.
+    128 + the signal number); `--resume` then continues to exactly the result of an uninterrupted run. A run that
+    learned nothing (its loss stayed non-finite, or more than half of its steps were skipped and it ended at chance
+    accuracy) ends with status `diverged`, its reason in summary.json and meta.json, and exit code 1.
 
     \b
     Data-parallel (DistributedDataParallel; gloo on CPU, NCCL on GPUs; rank 0 writes the run directory):
@@ -75,9 +80,11 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
     command = launch_command() or ["adaloss", *argv]
     if (config_path is None) == (resume_dir is None):
         raise click.UsageError("give exactly one of --config FILE (a new run) or --resume RUN_DIR")
-    if resume_dir is not None and (overrides or out or device or overwrite):
-        raise click.UsageError("--resume continues a run with its own config: --set, --out, --device and "
-                               "--overwrite cannot be combined with it")
+    if resume_dir is not None and (out or device or overwrite):
+        raise click.UsageError("--resume continues a run with its own config: --out, --device and --overwrite "
+                               "cannot be combined with it")
+    if resume_dir is not None:
+        _check_extension_overrides(overrides)
     world = World.from_env()
     if not world.active:
         nproc = _processes_to_launch(nproc_per_node, config_path, resume_dir, overrides, device)
@@ -114,6 +121,17 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
                                                           else ""))
 
 
+def _check_extension_overrides(overrides: tuple[str, ...]) -> None:
+    """With --resume, --set may only make the run longer (the keys of ``EXTENDABLE``)."""
+    from adaloss_cli.experiment import EXTENDABLE
+
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key not in EXTENDABLE:
+            raise click.UsageError(f"--set {key} with --resume: a resumed run keeps its own config; --set may only "
+                                   f"make it longer ({' or '.join(EXTENDABLE)})")
+
+
 def _processes_to_launch(nproc_per_node: int | None, config_path: Path | None, resume_dir: Path | None,
                          overrides: tuple[str, ...], device: str | None) -> int:
     """How many processes to start (1: train here). A resumed run restarts on as many as it trained on.
@@ -140,7 +158,7 @@ def _run(world, config_path: Path | None, resume_dir: Path | None, overrides: tu
     from adaloss_cli.experiment import config_warnings, resume_experiment, run_experiment
 
     if resume_dir is not None:
-        return resume_experiment(resume_dir, progress=not quiet, command=command, world=world)
+        return resume_experiment(resume_dir, progress=not quiet, command=command, world=world, extend=overrides)
     config = load_config(config_path, list(overrides) + ([f"device={device}"] if device else []))
     if world.is_main:
         for warning in config_warnings(config):

@@ -20,6 +20,10 @@ from ._yaml_lines import parse_yaml, yaml_problem
 from .problems import ConfigError, Problem, ProblemCollector
 from .schema import ExperimentConfig
 
+#: The problem of a config file without any key.
+EMPTY_FILE = ("the file is empty (or holds only comments); give an experiment config, e.g. a copy of a shipped one "
+              "(`adaloss configs digits > my.yaml`)")
+
 __all__ = ["ConfigError", "Problem", "load_config", "load_config_dict", "read_config_text"]
 
 
@@ -32,8 +36,9 @@ def read_config_text(path: str | Path) -> str:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read a YAML config, apply ``key.path=value`` overrides, validate, and return the frozen config.
 
-    Missing keys take the schema defaults, so an empty file is a valid all-defaults config. Override values are
-    parsed as YAML (``lr=0.1`` is a float, ``hidden_sizes=[64,64]`` a list).
+    Missing keys take the schema defaults, but a file with no keys at all (empty, or only comments) is refused: it
+    would silently train the all-defaults experiment, most likely not what was meant (a wrong or truncated file).
+    Override values are parsed as YAML (``lr=0.1`` is a float, ``hidden_sizes=[64,64]`` a list).
 
     Raises:
         ConfigError: listing every problem of the file and of the overrides.
@@ -50,6 +55,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentCo
         parsed = parse_yaml(text)
     except (yaml.YAMLError, ValueError) as err:
         raise ConfigError(source, [yaml_problem(err, source), *collector.problems]) from None
+    if parsed.data is None:
+        raise ConfigError(source, [Problem(source, None, "", EMPTY_FILE), *collector.problems])
     data, override_keys = apply_overrides(parsed.data, parsed_overrides)
     collector.lines.update(parsed.lines)
     collector.override_keys.update(override_keys)

@@ -139,8 +139,9 @@ class TrainingConfig:
                               "which gathers float32 and casts in its graphs). An fsdp2 run "
                               "resumes on any number of processes. One process trains the whole model either way.",
                               choices=DISTRIBUTED)
-    max_consecutive_nonfinite: int = option(100, "Stop the run as diverged after this many steps in a row whose "
-                                            "loss is NaN or infinite.", min=1)
+    max_consecutive_nonfinite: Optional[int] = option(None, "Stop the run as diverged after this many steps in a "
+                                                      "row whose loss is NaN or infinite; null: 10% of the run's "
+                                                      "steps, at least 10 and at most 100.", min=1)
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer.")
     lr_schedule: ScheduleConfig = section(ScheduleConfig, "Learning-rate schedule.")
 

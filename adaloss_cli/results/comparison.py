@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from adaloss_cli.results.files import atomic_write_text, clean_for_json
 from adaloss_cli.runs.methods import BASELINE
-from adaloss_cli.results.rundata import RunData
+from adaloss_cli.results.rundata import UNFINISHED, RunData
 
 #: Summary keys averaged over the completed runs of a group; accuracies also get their sample std.
 MEAN_KEYS = ("final_val_accuracy", "best_val_accuracy", "final_train_loss", "final_val_loss", "skipped_steps",
@@ -29,11 +29,11 @@ STD_KEYS = ("final_val_accuracy", "best_val_accuracy")
 GAP_COLUMN = "final_val_accuracy_gap"
 
 METRIC_COLUMNS = (
-    "precision", "completed", "diverged", "failed", "not_run",
+    "precision", "completed", "diverged", "failed", "interrupted", "not_run",
     "final_val_accuracy_mean", "final_val_accuracy_std", "best_val_accuracy_mean", "best_val_accuracy_std",
     "final_train_loss_mean", "final_val_loss_mean", "skipped_steps_mean", "overflow_steps_mean",
     "underflow_mean", "underflow_worst", "underflow_worst_layer", "time_per_step_s_mean", "peak_memory_mb_max",
-    GAP_COLUMN,
+    GAP_COLUMN, "notes",
 )
 
 #: Columns added after ``final_val_loss_mean`` when the runs are language models.
@@ -42,10 +42,14 @@ PERPLEXITY_KEYS = ("final_val_perplexity", "best_val_perplexity")
 
 LEGEND = """\
 Mean ± sample standard deviation over the completed runs (seeds) of each row; a single run has no spread.
-runs: completed/all; diverged and failed runs have no summary and are left out of the numbers, and a run that
-stopped before its directory was created (or never started) counts as not run.
+runs: completed/all; diverged, failed and interrupted runs are left out of the numbers (the notes under the table
+say why each ended), and a run that never started counts as not run. A run is diverged when its loss stayed
+non-finite, or when it learned nothing: more than half of its steps skipped and its final accuracy at chance.
 underflow: fraction of activation-gradient values lost to fp16 underflow at the recorded steps, averaged over
 layers (mean) or of the worst layer (worst, the largest over the row's runs); 0 when nothing underflows.
+ms/step: median time of a training step, leaving out each process's first steps (warm-up) and the recorded steps
+(which also run a float32 measurement pass), so that neither the order of the methods nor output.record_every
+changes it.
 Δ vs fp32: final validation accuracy minus the float32 baseline's, in percentage points."""
 LM_LEGEND = """\
 val ppl: validation perplexity, exp of the mean per-token validation loss (lower is better); val acc is next-token
@@ -116,7 +120,9 @@ def aggregate(groups: Sequence[Group], baseline: str | None = None) -> list[dict
         row["completed"] = len(done)
         row["diverged"] = sum(run.status == "diverged" for run in group.runs)
         row["not_run"] = sum(run.status == "missing" for run in group.runs)
-        row["failed"] = len(group.runs) - len(done) - row["diverged"] - row["not_run"]
+        row["interrupted"] = sum(run.status in UNFINISHED for run in group.runs)
+        row["failed"] = len(group.runs) - len(done) - row["diverged"] - row["not_run"] - row["interrupted"]
+        row["notes"] = [_note(run) for run in group.runs if run.status not in ("completed", "missing")]
         for key in MEAN_KEYS:
             row[f"{key}_mean"] = _mean(_values(done, key))
             if key in STD_KEYS:
@@ -142,6 +148,21 @@ def aggregate(groups: Sequence[Group], baseline: str | None = None) -> list[dict
     return rows
 
 
+def _note(run: RunData) -> str:
+    """``dynamic-seed0: diverged: <why>``: how one run without numbers ended (its directory's name first)."""
+    error = run.error.splitlines()[0] if run.error else ""
+    return f"{run.path.name}: {run.status}" + (f": {error}" if error else "")
+
+
+def completion(groups: Sequence[Group]) -> str | None:
+    """``incomplete: 1 interrupted, 2 not run, of 4 runs`` when some runs have not finished, else None (a
+    finished run may have diverged or failed: that is its result, shown in the table)."""
+    statuses = [run.status for group in groups for run in group.runs]
+    counts = {"interrupted": sum(s in UNFINISHED for s in statuses), "not run": statuses.count("missing")}
+    parts = [f"{n} {what}" for what, n in counts.items() if n]
+    return f"incomplete: {', '.join(parts)}, of {len(statuses)} runs" if parts else None
+
+
 # ----------------------------------------------------------------------------------------------------- rendering
 
 
@@ -150,6 +171,8 @@ def _csv_cell(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):  # the notes: one per run, each a sentence that may hold "; "
+        return " | ".join(map(str, value))
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -186,9 +209,9 @@ def _count(value: float | None) -> str:
 
 
 def _runs(row: dict[str, Any]) -> str:
-    total = row["completed"] + row["diverged"] + row["failed"] + row["not_run"]
+    total = row["completed"] + row["diverged"] + row["failed"] + row["interrupted"] + row["not_run"]
     text = f"{row['completed']}/{total}"
-    notes = [f"{row[k]} {k.replace('_', ' ')}" for k in ("diverged", "failed", "not_run") if row[k]]
+    notes = [f"{row[k]} {k.replace('_', ' ')}" for k in ("diverged", "failed", "interrupted", "not_run") if row[k]]
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -247,7 +270,10 @@ def to_markdown(rows: Sequence[dict[str, Any]], key_columns: Sequence[str]) -> s
         return "| " + " | ".join(padded) + " |"
 
     rule = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric)) + "|"
-    return "\n".join([line(headers), rule, *(line(cells) for cells in body)]) + "\n"
+    notes = [f"- {', '.join(_show(row[k]) for k in key_columns)}, {note}" for row in rows
+             for note in row.get("notes") or ()]
+    table = "\n".join([line(headers), rule, *(line(cells) for cells in body)]) + "\n"
+    return table + ("\nRuns without numbers:\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def write_tables(folder: Path, stem: str, rows: Sequence[dict[str, Any]], key_columns: Sequence[str],

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from adaloss.errors import UserError
-from adaloss_cli.results.comparison import Group
+from adaloss_cli.results.comparison import Group, completion
 from adaloss_cli.results.files import atomic_write_json, read_json
 from adaloss_cli.runs.methods import BASELINE, label_of_config
 from adaloss_cli.results.rundata import RunData, is_run_dir
@@ -99,7 +99,14 @@ def groups_of(folder: Path, kind: str, index: dict[str, Any]) -> list[Group]:
 
 
 def title_of(groups: list[Group], kind: str) -> str:
-    """``<run name> (<model> on <dataset>)``, read from the first child's config.yaml."""
+    """``<run name> (<model> on <dataset>)``, read from the first child's config.yaml, followed by
+    ``(incomplete: ...)`` when some runs were interrupted or never started."""
+    title = _title(groups, kind)
+    unfinished = completion(groups)
+    return f"{title} ({unfinished})" if unfinished else title
+
+
+def _title(groups: list[Group], kind: str) -> str:
     for group in groups:
         for run in group.runs:
             config = run.config

@@ -19,6 +19,9 @@ from adaloss_cli.results.files import read_json
 
 #: Statuses after which a child is not run again: it finished, with a result (divergence is a result).
 FINISHED = ("completed", "diverged")
+#: Statuses of a run that stopped before its end and may continue from its checkpoint: stopped by a signal, or
+#: killed (meta.json still says running).
+UNFINISHED = ("interrupted", "running")
 
 
 def _float(text: str | None) -> float:

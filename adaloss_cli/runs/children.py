@@ -3,7 +3,11 @@
 
 A child's outcome is read back from its run directory (:func:`run_status`), not from the exception that ended it:
 ``completed`` and ``diverged`` are results, ``failed`` (or ``missing``: stopped before its directory existed) is a
-failure, and ``interrupted`` (Ctrl-C, SIGTERM) stops every child and is re-raised once the others have ended.
+failure, and ``interrupted`` (Ctrl-C, SIGTERM) stops every child and is re-raised once the others have ended, with
+the parent's own hint for finishing them (``compare --resume``, or ``batch`` again).
+
+Running a parent again (:func:`plan_rerun`) keeps the finished children, continues the interrupted ones from their
+newest checkpoint, and starts the others afresh.
 """
 
 from __future__ import annotations
@@ -24,12 +28,11 @@ from adaloss_cli.config.schema import ExperimentConfig, to_dict
 from adaloss.errors import AdalossError
 from adaloss_cli.errors import Interrupted
 from adaloss_cli.progress import ProgressBar, progress_bar
-from adaloss_cli.results.rundata import FINISHED, RunData, run_status
+from adaloss_cli.results.checkpoints import CheckpointStore
+from adaloss_cli.results.rundata import FINISHED, UNFINISHED, RunData, run_status
 from adaloss_cli.self_command import adaloss_command
 from adaloss_cli.signals import signal_of
 
-#: Statuses that are a failure of the child (not a result of the experiment).
-FAILED = ("failed", "missing", "running")
 
 
 @dataclass
@@ -39,11 +42,65 @@ class Child:
     config: ExperimentConfig
     run_dir: Path
     entry: dict[str, Any] = field(default_factory=dict)
+    #: Continue the run directory from its newest checkpoint instead of starting it.
+    resume: bool = False
 
     def record(self, status: str, error: str | None) -> None:
         """Store the outcome in the index entry."""
         self.entry["status"] = status
         self.entry["error"] = error
+
+
+def config_change(run_dir: Path, config: ExperimentConfig) -> str | None:
+    """How a child's config.yaml differs from ``config`` (``key: old -> new``); output.* is ignored, and so are keys
+    only one side has (a newer adaloss may add keys with defaults)."""
+    from adaloss_cli.experiment import flatten_config, resolved_config_dict
+
+    old = flatten_config(RunData(run_dir).config)
+    new = flatten_config(yaml.safe_load(yaml.safe_dump(resolved_config_dict(config))))
+    for key in new:
+        if key in old and not key.startswith("output.") and old[key] != new[key]:
+            return f"{key}: {old[key]!r} -> {new[key]!r}"
+    return None
+
+
+def can_resume(child: Child) -> bool:
+    """Whether a child stopped before its end can continue where it stopped: it has a checkpoint and still runs
+    the parent's config."""
+    return (run_status(child.run_dir) in UNFINISHED and bool(CheckpointStore(child.run_dir, 1).paths())
+            and config_change(child.run_dir, child.config) is None)
+
+
+def plan_rerun(children: Sequence[Child]) -> tuple[list[Child], list[str]]:
+    """Which children a parent run again must run, and the finished children whose config is no longer the
+    parent's (``name (key: old -> new)``; the caller refuses them).
+
+    Finished children (completed, diverged) are kept; interrupted ones that :func:`can_resume` are marked
+    ``resume``; the others (failed, never started, stopped before a checkpoint) start afresh. Each index entry gets
+    the child's status, ``pending`` for those to run.
+    """
+    to_run, stale = [], []
+    for child in children:
+        status = run_status(child.run_dir)
+        child.record(status, RunData(child.run_dir).error if status != "missing" else None)
+        if status in FINISHED:
+            change = config_change(child.run_dir, child.config)
+            if change:
+                stale.append(f"{child.name} ({change})")
+            continue
+        child.resume = can_resume(child)
+        child.record("pending", None)
+        to_run.append(child)
+    return to_run, stale
+
+
+def clear_for_rerun(children: Sequence[Child]) -> None:
+    """Delete the run directories of the children that start afresh (failed or not resumable)."""
+    from adaloss_cli.results.rundir import remove_run_dir
+
+    for child in children:
+        if not child.resume and (child.run_dir.exists() or child.run_dir.is_symlink()):
+            remove_run_dir(child.run_dir)
 
 
 def cpu_cores() -> int:
@@ -73,11 +130,14 @@ class ChildRunner:
         stop_on_failure: start no further child once one failed (running ones are let finish).
         progress: show the bars.
         command: the command line recorded in each in-process child's meta.json.
+        resume_hint: how to finish the parent once interrupted (``finish it with adaloss compare --resume DIR``),
+            said instead of the interrupted child's own ``train --resume`` hint.
     """
 
     def __init__(self, *, jobs: int = 1, stop_on_failure: bool = True, progress: bool = True,
                  command: list[str] | None = None, on_change: Callable[[], None] = lambda: None,
-                 desc: str = "runs") -> None:
+                 desc: str = "runs", resume_hint: str = "run the same command again to finish them") -> None:
+        self.resume_hint = resume_hint
         self.jobs = max(1, jobs)
         self.stop_on_failure = stop_on_failure
         self.progress = progress
@@ -108,28 +168,36 @@ class ChildRunner:
             bar.write(_describe(child), file=sys.stderr)
         return status
 
+    def _interrupted(self, signum: int, what: str) -> Interrupted:
+        return Interrupted(f"stopped by {signal.Signals(signum).name}; {what}; the finished runs are kept: "
+                           f"{self.resume_hint}", signum)
+
     def _in_process(self, children: Sequence[Child], bar: ProgressBar) -> list[Child]:
-        from adaloss_cli.experiment import run_experiment
+        from adaloss_cli.experiment import resume_experiment, run_experiment
 
         failed = []
         for child in children:
             child.record("running", None)
             self.on_change()
             bar.set_postfix_str(child.name)
-            error, raised = None, None
+            error = None
             try:
-                run_experiment(child.config, out=child.run_dir, progress=self.progress, command=self.command)
+                if child.resume:
+                    resume_experiment(child.run_dir, progress=self.progress, command=self.command)
+                else:
+                    run_experiment(child.config, out=child.run_dir, progress=self.progress, command=self.command)
+            except Interrupted as stop:
+                self._finish(child, f"stopped by {signal.Signals(stop.signum).name}, with a checkpoint", bar)
+                raise self._interrupted(stop.signum, f"{child.name} stopped with a checkpoint") from None
             except KeyboardInterrupt:
                 self._finish(child, "interrupted by the user", bar)
                 raise
             except AdalossError as err:
-                error, raised = str(err).splitlines()[0], err
+                error = str(err).splitlines()[0]
             except Exception as err:  # a bug in one child must not lose the others' results
-                error, raised = f"internal error {type(err).__name__}: {err}", err
+                error = f"internal error {type(err).__name__}: {err}"
             status = self._finish(child, error, bar)
-            if status == "interrupted":
-                raise raised or KeyboardInterrupt()
-            if status in FAILED:
+            if status not in FINISHED:  # failed, or a resume refused before it ran (still interrupted)
                 failed.append(child)
                 if self.stop_on_failure:
                     break
@@ -154,8 +222,9 @@ class ChildRunner:
                     for proc in [p for p in running if p.popen.poll() is not None]:
                         running.remove(proc)
                         status = self._finish(proc.child, proc.error(), bar)
-                        interrupted = interrupted or status == "interrupted"
-                        if status in FAILED:
+                        if status == "interrupted" and proc.signalled():  # stopped from outside: stop them all
+                            interrupted = True
+                        elif status not in FINISHED:
                             failed.append(proc.child)
                     if interrupted:
                         raise KeyboardInterrupt
@@ -164,8 +233,8 @@ class ChildRunner:
                 _stop_children(running, signum)
                 for proc in running:
                     self._finish(proc.child, f"stopped by {signal.Signals(signum).name}", bar)
-                raise Interrupted(f"stopped by {signal.Signals(signum).name}; {len(running)} running children "
-                                  "stopped (run the same command again to re-run them)", signum) from None
+                raise self._interrupted(signum, f"{len(running)} running children stopped with checkpoints") \
+                    from None
         return failed
 
 
@@ -193,6 +262,10 @@ class _Process:
     popen: subprocess.Popen
     stderr_path: Path
 
+    def signalled(self) -> bool:
+        """Whether the child ended on SIGINT or SIGTERM (exit code 128 + N, or killed by it)."""
+        return abs(self.popen.returncode or 0) % 128 in (signal.SIGINT, signal.SIGTERM)
+
     def error(self) -> str | None:
         """The child's last stderr line (its ``Error: ...`` message), for a child that did not complete."""
         try:
@@ -203,9 +276,10 @@ class _Process:
 
 
 def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
-    """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet --no-plots`` in a new
-    process that runs the same adaloss as this one (:mod:`adaloss_cli.self_command`); the parent draws the
-    comparison's plots, so a child draws none of its own (as a child run in this process).
+    """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet --no-plots`` (``train
+    --resume <run dir> --quiet --no-plots`` for a child that continues) in a new process that runs the same adaloss
+    as this one (:mod:`adaloss_cli.self_command`); the parent draws the comparison's plots, so a child draws none of
+    its own (as a child run in this process).
 
     ``stem`` names the child's scratch files (its config and its captured stderr).
     """
@@ -215,7 +289,9 @@ def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
     with open(stderr_path, "w", encoding="utf-8") as stderr:
         # A session of its own: Ctrl-C reaches only this process, which then asks each child once to stop (a
         # second signal would make the child stop at once, without its checkpoint).
-        popen = subprocess.Popen([*adaloss_command(), "train", "--config", str(config_path), "--out",
-                                  str(child.run_dir), "--quiet", "--no-plots"], env=env, stdout=subprocess.DEVNULL,
+        what = (["--resume", str(child.run_dir)] if child.resume
+                else ["--config", str(config_path), "--out", str(child.run_dir)])
+        popen = subprocess.Popen([*adaloss_command(), "train", *what, "--quiet", "--no-plots"], env=env,
+                                 stdout=subprocess.DEVNULL,
                                  stderr=stderr, start_new_session=os.name == "posix")
     return _Process(child, popen, stderr_path)

@@ -136,9 +136,16 @@ def test_unreadable_file_is_a_config_error(tmp_path):
 
 # ---------------------------------------------------------------- types, defaults, round trip
 
-def test_empty_file_is_all_defaults(tmp_path):
-    assert load_config(write(tmp_path, "")) == ExperimentConfig()
-    assert load_config(write(tmp_path, "# only a comment\n")) == ExperimentConfig()
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n   \n", "---\n"])
+def test_a_file_without_any_key_is_refused_naming_it(tmp_path, text):
+    # An empty file would silently train the all-defaults experiment (a float32 MLP): a wrong or truncated file.
+    path = write(tmp_path, text)
+    [problem] = problems_of(path, ("training.epochs=2",))
+    assert problem.file == str(path) and "empty" in problem.message and "adaloss configs" in problem.message
+
+
+def test_an_empty_mapping_is_all_defaults(tmp_path):
+    assert load_config(write(tmp_path, "{}\n")) == ExperimentConfig()
 
 
 def test_missing_keys_and_empty_sections_take_defaults(tmp_path):
@@ -213,7 +220,7 @@ def test_round_trip_through_yaml(tmp_path):
 
 
 def test_config_is_frozen(tmp_path):
-    cfg = load_config(write(tmp_path, ""))
+    cfg = load_config(write(tmp_path, "{}"))
     with pytest.raises(AttributeError):
         cfg.training.epochs = 3  # type: ignore[misc]
 
@@ -257,7 +264,7 @@ def test_other_names_of_a_dtype_are_refused_with_the_name_to_use(tmp_path, given
 
 
 def test_override_below_a_value_is_a_problem(tmp_path):
-    [problem] = problems_of(write(tmp_path, ""), ("training.epochs.max=3",))
+    [problem] = problems_of(write(tmp_path, "{}"), ("training.epochs.max=3",))
     assert problem.file == "--set" and "training.epochs is a value" in problem.message
 
 
