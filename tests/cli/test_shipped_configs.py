@@ -88,14 +88,18 @@ def test_embedded_default_trains_by_name_and_a_real_file_of_that_name_wins(invok
     assert result.exit_code == 2 and "digits:2: training.epochs: got 0" in result.stderr
 
 
-def _first_step_rows(invoke, out, *overrides):
-    """Train vanishing_stress for one step, recorded, and return step 0's scales.csv rows by layer, and the summary."""
+def _first_step_rows(invoke, out, *overrides, skipped: bool = False):
+    """Train vanishing_stress for one step, recorded, and return step 0's scales.csv rows by layer, and the summary.
+    ``skipped``: the one step overflows, so the run ends diverged (it learned nothing), its records written."""
     args = ["train", "--config", "vanishing_stress", "--out", out, "--quiet", "--device", "cpu",
             "--set", "training.iterations=1", "--set", "output.record_every=1"]
     for override in overrides:
         args += ["--set", override]
     result = invoke(*args)
-    assert result.exit_code == 0, result.output
+    if skipped:
+        assert result.exit_code == 1 and "learned nothing: 1 of 1 steps were skipped" in result.output
+    else:
+        assert result.exit_code == 0, result.output
     with open(out / "scales.csv", newline="") as handle:
         rows = {row["layer"]: row for row in csv.DictReader(handle) if row["step"] == "0"}
     return rows, json.loads((out / "summary.json").read_text())
@@ -109,7 +113,7 @@ def test_vanishing_stress_spans_more_than_any_single_scale_holds_and_adaptive_ho
     dynamic, _ = _first_step_rows(invoke, tmp_path / "dynamic", "loss_scaling.method=dynamic")
     assert float(dynamic["features.0"]["underflow_fraction"]) == 1.0
     fixed, summary = _first_step_rows(invoke, tmp_path / "fixed", "loss_scaling.method=fixed",
-                                      "loss_scaling.fixed.scale=16777216")
+                                      "loss_scaling.fixed.scale=16777216", skipped=True)
     assert summary["skipped_steps"] == 1 and float(fixed["features.0"]["underflow_fraction"]) > 0.5
     adaptive, summary = _first_step_rows(invoke, tmp_path / "adaptive")
     assert summary["skipped_steps"] == 0
