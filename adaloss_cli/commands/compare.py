@@ -119,12 +119,16 @@ Examples:
               help="Override the config's device (auto = cuda when available).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs at once, each an `adaloss train` process with cores/N threads (as `adaloss batch --jobs`).")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Train each run on N processes of this machine (`adaloss train --nproc-per-node N`: DDP, or "
+                   "FSDP2 with --set training.distributed=fsdp2); training.batch_size is the global batch. Repeat "
+                   "it with --resume.")
 @click.option("--no-plots", is_flag=True, help="Write the table only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table rows as JSON on stdout (no Markdown).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars; print only the comparison directory.")
 def compare(methods: tuple[str, ...], config_path: Path | None, resume_dir: Path | None, seed_values: tuple[str, ...],
-            overrides: tuple[str, ...], out: Path | None, device: str | None, jobs: int, no_plots: bool,
-            as_json: bool, quiet: bool) -> None:
+            overrides: tuple[str, ...], out: Path | None, device: str | None, jobs: int, nproc_per_node: int,
+            no_plots: bool, as_json: bool, quiet: bool) -> None:
     from adaloss.errors import RuntimeFailure
     from adaloss_cli.commands.report import show_outputs
     from adaloss_cli.results.index import COMPARE, compare_groups, write_index
@@ -144,6 +148,11 @@ def compare(methods: tuple[str, ...], config_path: Path | None, resume_dir: Path
             raise click.UsageError("give METHOD... and --config FILE (a new comparison), or --resume DIR (finish an "
                                    "interrupted one)")
         folder, index, children = _start(ctx, methods, config_path, seed_values, overrides, out, device, argv)
+    if nproc_per_node > 1:
+        from adaloss_cli.distributed import check_world
+
+        for child in children:  # one error line before any process starts, as `train --nproc-per-node`
+            check_world(child.config, nproc_per_node)
     to_run, stale = plan_rerun(children)
     if stale:  # only a comparison made by another adaloss, or edited by hand, can get here
         raise UserError(f"'{folder}' holds finished runs made with other settings than the comparison's: "
@@ -155,7 +164,7 @@ def compare(methods: tuple[str, ...], config_path: Path | None, resume_dir: Path
         resumed = sum(child.resume for child in to_run)
         click.echo(f"Resuming {folder}: {len(children) - len(to_run)} of {len(children)} runs finished, {resumed} "
                    f"continue from their checkpoints, {len(to_run) - resumed} to run", err=True)
-    runner = ChildRunner(jobs=jobs, stop_on_failure=False, progress=not quiet, command=["adaloss", *argv],
+    runner = ChildRunner(jobs=jobs, nproc_per_node=nproc_per_node, stop_on_failure=False, progress=not quiet, command=["adaloss", *argv],
                          on_change=lambda: write_index(folder, index), desc="compare",
                          resume_hint=f"finish the comparison with: adaloss compare --resume {folder}")
     try:

@@ -127,6 +127,8 @@ class ChildRunner:
 
     Args:
         jobs: children at once; 1 runs them in this process with the inner training bar.
+        nproc_per_node: processes each child trains on (more than 1: every child is an ``adaloss train
+            --nproc-per-node N`` process, also with one job).
         stop_on_failure: start no further child once one failed (running ones are let finish).
         progress: show the bars.
         command: the command line recorded in each in-process child's meta.json.
@@ -134,11 +136,12 @@ class ChildRunner:
             said instead of the interrupted child's own ``train --resume`` hint.
     """
 
-    def __init__(self, *, jobs: int = 1, stop_on_failure: bool = True, progress: bool = True,
+    def __init__(self, *, jobs: int = 1, nproc_per_node: int = 1, stop_on_failure: bool = True, progress: bool = True,
                  command: list[str] | None = None, on_change: Callable[[], None] = lambda: None,
                  desc: str = "runs", resume_hint: str = "run the same command again to finish them") -> None:
         self.resume_hint = resume_hint
         self.jobs = max(1, jobs)
+        self.nproc_per_node = max(1, nproc_per_node)
         self.stop_on_failure = stop_on_failure
         self.progress = progress
         self.command = command
@@ -149,7 +152,7 @@ class ChildRunner:
         """Run the children; return those that failed. Re-raises an interruption after the others ended."""
         bar = progress_bar(len(children), desc=self.desc, unit="run", enabled=self.progress, position=0, leave=True)
         try:
-            if self.jobs == 1:
+            if self.jobs == 1 and self.nproc_per_node == 1:
                 return self._in_process(children, bar)
             return self._subprocesses(children, bar)
         finally:
@@ -204,7 +207,7 @@ class ChildRunner:
         return failed
 
     def _subprocesses(self, children: Sequence[Child], bar: ProgressBar) -> list[Child]:
-        threads = max(1, cpu_cores() // self.jobs)
+        threads = max(1, cpu_cores() // (self.jobs * self.nproc_per_node))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         pending, running, failed = list(children), [], []
         interrupted = False
@@ -212,7 +215,8 @@ class ChildRunner:
             try:
                 while pending or running:
                     while pending and len(running) < self.jobs and not (failed and self.stop_on_failure):
-                        running.append(_launch(pending.pop(0), Path(scratch) / str(len(pending)), env))
+                        running.append(_launch(pending.pop(0), Path(scratch) / str(len(pending)), env,
+                                               self.nproc_per_node))
                         running[-1].child.record("running", None)
                         self.on_change()
                         bar.set_postfix_str(", ".join(p.child.name for p in running))
@@ -275,13 +279,14 @@ class _Process:
         return lines[-1].removeprefix("Error: ") if lines else f"exit code {self.popen.returncode}"
 
 
-def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
+def _launch(child: Child, stem: Path, env: dict[str, str], nproc_per_node: int = 1) -> _Process:
     """Start ``adaloss train --config <child's validated config> --out <run dir> --quiet --no-plots`` (``train
     --resume <run dir> --quiet --no-plots`` for a child that continues) in a new process that runs the same adaloss
     as this one (:mod:`adaloss_cli.self_command`); the parent draws the comparison's plots, so a child draws none of
     its own (as a child run in this process).
 
-    ``stem`` names the child's scratch files (its config and its captured stderr).
+    ``stem`` names the child's scratch files (its config and its captured stderr); ``nproc_per_node`` > 1 adds
+    ``--nproc-per-node N``.
     """
     config_path = stem.with_suffix(".yaml")
     config_path.write_text(yaml.safe_dump(to_dict(child.config), sort_keys=False), encoding="utf-8")
@@ -291,7 +296,8 @@ def _launch(child: Child, stem: Path, env: dict[str, str]) -> _Process:
         # second signal would make the child stop at once, without its checkpoint).
         what = (["--resume", str(child.run_dir)] if child.resume
                 else ["--config", str(config_path), "--out", str(child.run_dir)])
-        popen = subprocess.Popen([*adaloss_command(), "train", *what, "--quiet", "--no-plots"], env=env,
+        launch = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
+        popen = subprocess.Popen([*adaloss_command(), "train", *what, "--quiet", "--no-plots", *launch], env=env,
                                  stdout=subprocess.DEVNULL,
                                  stderr=stderr, start_new_session=os.name == "posix")
     return _Process(child, popen, stderr_path)

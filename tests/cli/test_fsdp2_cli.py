@@ -159,3 +159,18 @@ def test_kill_9_of_one_process_then_resume_on_2_and_on_1_process(runs, tmp_path)
         torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6)
     meta = json.loads((on_one / "meta.json").read_text())
     assert meta["world_size"] == 1
+
+
+def test_compare_trains_every_method_sharded_and_tabulates_them(tmp_path):
+    config = fsdp2_config(tmp_path)
+    out = tmp_path / "cmp"
+    proc = subprocess.run([sys.executable, "-m", "adaloss_cli", "compare", "dynamic", "adaptive", "--config",
+                           str(config), "--set", "training.iterations=6", "--out", str(out), "--quiet", "--json",
+                           "--nproc-per-node", "2"], env=dist_env(), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["method"]: row for row in json.loads(proc.stdout)["rows"]}
+    assert set(rows) == {"dynamic", "adaptive"} and all(row["completed"] == 1 for row in rows.values())
+    for method in rows:
+        done = summary(out / "runs" / f"{method}-seed0")
+        assert done["world_size"] == 2 and done["steps"] == 6 and done["status"] == "completed"
