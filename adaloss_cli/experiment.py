@@ -31,9 +31,10 @@ from adaloss_cli.verdict import LearnedNothing
 
 @dataclass
 class RunResult:
-    """Where a run was written and what its summary says."""
+    """Where a run was written, what its summary says, and the config it ran with."""
     run_dir: Path
     summary: dict[str, Any]
+    config: ExperimentConfig | None = None
 
 
 def resolved_config_dict(config: ExperimentConfig) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def run_experiment(config: ExperimentConfig, *, out: Path | None = None, overwri
 
 #: Keys of config.yaml that may change between a checkpoint and its resume: they change no number of the run.
 RESUMABLE_EDITS = ("output.root", "output.progress", "output.checkpoint_every", "output.keep_checkpoints",
-                   "output.tensorboard")
+                   "output.tensorboard", "output.plots")
 #: The keys ``train --resume RUN --set`` may change: a run made longer continues from its newest checkpoint.
 EXTENDABLE = ("training.epochs", "training.iterations")
 
@@ -294,7 +295,7 @@ def _train(config: ExperimentConfig, dataset: Dataset, backend: Backend, writer:
         _record_end(writer, "failed", f"{type(err).__name__}: {err}")
         raise
     writer.finish("completed", summary)
-    return RunResult(run_dir=writer.run_dir, summary=summary)
+    return RunResult(run_dir=writer.run_dir, summary=summary, config=config)
 
 
 def _record_end(writer: RunWriter | SilentWriter, status: str, error: str,

@@ -19,7 +19,8 @@ def write_config(path: Path, **sections) -> Path:
         "data": {"name": "digits"},
         "training": {"iterations": 6, "batch_size": 16, "eval_batch_size": 512,
                      "optimizer": {"name": "sgd", "lr": 0.05}},
-        "output": {"root": str(path.parent / "runs"), "record_every": 2, "progress": False},
+        # No figures: drawing them costs a second of CPU per run; tests/cli/test_plots.py draws them.
+        "output": {"root": str(path.parent / "runs"), "record_every": 2, "progress": False, "plots": False},
     }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value

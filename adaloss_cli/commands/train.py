@@ -109,7 +109,8 @@ def train(config_path: Path | None, resume_dir: Path | None, overrides: tuple[st
         return
     if not world.is_main:
         return
-    plots = [] if no_plots else write_run_plots_or_warn(result.run_dir, lambda line: click.echo(f"Warning: {line}",
+    drawn = not no_plots and (result.config is None or result.config.output.plots)
+    plots = [] if not drawn else write_run_plots_or_warn(result.run_dir, lambda line: click.echo(f"Warning: {line}",
                                                                                                   err=True))
     if as_json:
         click.echo(json.dumps({"kind": "run", "dir": str(result.run_dir), "summary": result.summary}, indent=2))

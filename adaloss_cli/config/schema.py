@@ -166,6 +166,9 @@ class OutputConfig:
                                              "only at the end.", min=1, nullable=True)
     keep_checkpoints: int = option(2, "How many of the newest checkpoints to keep.", min=1)
     progress: bool = option(True, "Show a progress bar.")
+    plots: bool = option(True, "`adaloss train`: draw the run's figures into its directory when it completes "
+                         "(training.png, loss_scale.png, underflow.png); `adaloss report RUN_DIR` draws them "
+                         "later. --no-plots does the same for one command.")
     tensorboard: bool = option(False, "Write TensorBoard event files to <run directory>/tensorboard/ as the run "
                                "goes: every step's loss, learning rate, loss scale and skipped steps; on recorded "
                                "steps each layer's scale (log2, adaptive) and underflow; every evaluation's "

@@ -261,7 +261,8 @@ def without_timing_columns(rows: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in rows]
 
 
-def test_a_comparison_stopped_by_sigint_resumes_to_the_uninterrupted_table(tmp_path):
+@pytest.mark.usefixtures("one_thread")  # the reference runs here, the stopped comparison in a 1-thread process:
+def test_a_comparison_stopped_by_sigint_resumes_to_the_uninterrupted_table(tmp_path):  # same sums, same bits
     import os
     import signal
     import subprocess
@@ -301,8 +302,9 @@ def test_a_comparison_stopped_by_sigint_resumes_to_the_uninterrupted_table(tmp_p
 
     resumed = run_cli("compare", "--resume", stopped, "--quiet", "--no-plots")
     assert resumed.exit_code == 0, resumed.output
-    assert without_timing_columns(read_csv(stopped / "comparison.csv")) == without_timing_columns(
+    got, want = without_timing_columns(read_csv(stopped / "comparison.csv")), without_timing_columns(
         read_csv(reference / "comparison.csv"))
+    assert got == want
     dynamic = json.loads((stopped / "runs/dynamic-seed0/meta.json").read_text())
     assert len(dynamic["resumed"]) == 1  # continued from its checkpoint, not started again
     index = json.loads((stopped / "index.json").read_text())

@@ -190,7 +190,8 @@ def test_a_float32_run_alone_gets_no_underflow_or_scale_figure(tmp_path):
 
 
 def test_train_writes_the_runs_plots_into_its_directory(tmp_path, invoke):
-    config = write_config(tmp_path / "c.yaml", precision={"dtype": "float16"}, loss_scaling={"method": "adaptive"})
+    config = write_config(tmp_path / "c.yaml", precision={"dtype": "float16"}, loss_scaling={"method": "adaptive"},
+                          output={"plots": True})
     result = invoke("train", "--config", config, "--device", "cpu", "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     names = ("training.png", "loss_scale.png", "underflow.png")
@@ -200,6 +201,9 @@ def test_train_writes_the_runs_plots_into_its_directory(tmp_path, invoke):
 
     result = invoke("train", "--config", config, "--device", "cpu", "--out", tmp_path / "bare", "--no-plots", "-q")
     assert result.exit_code == 0 and not list((tmp_path / "bare").glob("*.png"))
+    result = invoke("train", "--config", config, "--device", "cpu", "--out", tmp_path / "off", "-q",
+                    "--set", "output.plots=false")
+    assert result.exit_code == 0 and not list((tmp_path / "off").glob("*.png"))
 
 
 def test_a_failure_to_draw_warns_and_keeps_the_run(tmp_path, invoke, monkeypatch):
@@ -209,7 +213,7 @@ def test_a_failure_to_draw_warns_and_keeps_the_run(tmp_path, invoke, monkeypatch
         raise RuntimeError("no fonts")
 
     monkeypatch.setattr(Figure, "savefig", broken)
-    config = write_config(tmp_path / "c.yaml")
+    config = write_config(tmp_path / "c.yaml", output={"plots": True})
     result = invoke("train", "--config", config, "--device", "cpu", "--out", tmp_path / "run", "--json")
     assert result.exit_code == 0
     assert json.loads(result.stdout)["summary"]["steps"] == 6  # stdout is still the JSON alone
