@@ -65,11 +65,12 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same experiment with FSDP2 on 2 processes and in one process (float32), adaptive scaling with FSDP2 and
-    DDP on 2 processes in float16 autocast, and FSDP2 in pure float16."""
+    """The same adaptive experiment with FSDP2 on 2 processes and in one process (float32, where power-of-two
+    factors are exact), adaptive scaling with FSDP2 and DDP on 2 processes in float16 autocast, and FSDP2 in pure
+    float16 (dynamic scaling)."""
     folder = tmp_path_factory.mktemp("fsdp2")
-    launches = {"fsdp2": (fsdp2_config(folder, dtype="float32"), 2),
-                "one": (fsdp2_config(folder, dtype="float32"), None),
+    launches = {"fsdp2": (fsdp2_config(folder, dtype="float32", method="adaptive"), 2),
+                "one": (fsdp2_config(folder, dtype="float32", method="adaptive"), None),
                 "fsdp2-adaptive": (fsdp2_config(folder, method="adaptive"), 2),
                 "ddp-adaptive": (fsdp2_config(folder, "ddp", method="adaptive"), 2),
                 "fsdp2-pure": (fsdp2_config(folder, mode="pure"), 2)}
@@ -141,7 +142,8 @@ def test_kill_9_of_one_process_then_resume_on_2_and_on_1_process(runs, tmp_path)
                               "--nproc-per-node", "2"], env=dist_env(), capture_output=True, text=True, timeout=300,
                              cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    # From the checkpoint on, the resumed run is the uninterrupted one, bit for bit.
+    # From the checkpoint on (each rank's own per-layer scales restored), the resumed run is the uninterrupted one,
+    # bit for bit.
     reference = model_of(runs["fsdp2"])
     for key, value in model_of(killed).items():
         assert torch.equal(value, reference[key]), key
@@ -153,8 +155,6 @@ def test_kill_9_of_one_process_then_resume_on_2_and_on_1_process(runs, tmp_path)
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
     done = summary(on_one)
     assert done["status"] == "completed" and done["world_size"] == 1 and done["steps"] == ITERATIONS
-    # The scaler's state continued from the checkpoint (the same scale at every step).
-    assert [s["scale"] for s in steps(on_one)] == [s["scale"] for s in steps(runs["fsdp2"])]
     for key, value in model_of(on_one).items():  # up to the order of float32 sums, as in the first test
         torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6)
     meta = json.loads((on_one / "meta.json").read_text())
