@@ -227,3 +227,43 @@ def test_bound_golden_values_through_a_scale_point(incoming, factor):
     assert float(state.unbound[0]) == pytest.approx(1.748732, rel=1e-5)
     assert float(state.factor[0]) == float(got) == float(weight_factor) == factor
     assert float(state.table[point.in_slot]) == incoming * factor
+
+
+def test_layer_scales_and_scalars_read_the_per_layer_state_after_a_step():
+    """The Chainer scaler's accessor, as the PyTorch one: a LayerScale per Linear in forward order whose
+    weight_scale is the layer's own power-of-two loss scale, and the logger tags built from them; empty for the
+    other methods."""
+
+    np.random.seed(0)
+    model = models.MLP(64, [32, 32], 10)
+    x, t = np.random.randn(8, 1, 8, 8).astype(np.float32), np.random.randint(0, 10, 8).astype(np.int32)
+    scaler = LossScaler(model, "adaptive")
+    model.cleargrads()
+    optimizer = TorchSGD(lr=0.1)
+    optimizer.setup(model)
+    with chainer.using_config("train", True):
+        y = scaler.output(model(chainer.Variable(x.astype(np.float16))))
+        scaler.backward(F.softmax_cross_entropy(y, t) * TINY)
+    scaler.step(optimizer)
+    scaler.update()
+    scales = scaler.layer_scales()
+    assert [s.layer for s in scales] == ["features.0", "features.2", "classifier"]
+    for s in scales:
+        mantissa, _ = np.frexp(s.weight_scale)
+        assert s.weight_scale > 1 and mantissa == 0.5  # a power of two, well above 1 at a 1e-5 loss
+    tags = scaler.scalars()
+    assert tags["scaling/skipped_steps"] == 0
+    assert {t for t in tags if t.startswith("layer_scale_log2/")} == {f"layer_scale_log2/{s.layer}" for s in scales}
+    assert tags["layer_scale_log2/classifier"] == math.log2(scales[-1].weight_scale)
+
+    class Writer:
+        def __init__(self):
+            self.seen = {}
+
+        def add_scalar(self, tag, value, step):
+            self.seen[tag] = (value, step)
+
+    writer = Writer()
+    scaler.log_to(writer, 7)
+    assert writer.seen == {tag: (value, 7) for tag, value in tags.items()}
+    assert LossScaler(models.MLP(64, [32], 10), "dynamic").layer_scales() == []
