@@ -120,11 +120,25 @@ def adaptive_refusals() -> list[str]:
     return messages
 
 
+def recording_on_a_sharded_model() -> str:
+    """Underflow measurement (start_recording) of a dynamic scaler on an FSDP2 model: one warning, and the step
+    runs on the model itself."""
+    import warnings
+
+    model = sharded(mlp())
+    scaler = LossScaler(model, "dynamic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ran_with = scaler.start_recording(lambda m: (_ for _ in ()).throw(AssertionError("no reference pass")))
+    return "" if ran_with is not model else " | ".join(str(w.message) for w in caught)
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {"params": {method: train(method, rank, world) for method in SCALES},
                "adaptive-fp16": train("adaptive", rank, world, fp16=True),
+               "recording": recording_on_a_sharded_model(),
                "checkpointed": train("dynamic", rank, world, checkpoint=out / "dcp"),
                "inf": inf_on_one_rank(rank), "adaptive": adaptive_refusals()}
     (out / f"fsdp2-{rank}.json").write_text(json.dumps(results))

@@ -33,7 +33,7 @@ from adaloss.scalars import scaling_scalars, write_scalars
 from adaloss.options import LossScalingConfig, scaling_options
 from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
-from .capture import compiled, install
+from .capture import compiled, install, sharded_pieces
 from adaloss.errors import TransformError
 from .recording import describe_points, layer_records, run_reference_pass
 from .scale_state import ScaleState
@@ -506,6 +506,10 @@ class LossScaler:
             return self.model
         if self.model is None:
             return None
+        if self._measuring is None and sharded_pieces(self.model) is not None:
+            warnings.warn("underflow is not measured on a model sharded with FSDP2: the measure-only twin would "
+                          "capture the whole model, and Dynamo cannot trace FSDP2's hooks", stacklevel=3)
+            self._measuring = False
         if self._measuring is None:
             self._measuring_state = ScaleState(None, self.policy.scale, _device_of(self.model))
             self._measuring_state.pure_dtype = getattr(self, "_pure_dtype", None)

@@ -89,6 +89,11 @@ def test_adaptive_scaling_refuses_a_scaler_built_before_fully_shard_and_float16_
         assert "gathers its parameters in float16" in half and "param_dtype=None" in half
 
 
+def test_underflow_measurement_of_a_sharded_model_warns_once_and_trains_on_the_model(ranks):
+    for rank in ranks:
+        assert "underflow is not measured on a model sharded with FSDP2" in rank["recording"]
+
+
 def test_a_dcp_checkpoint_of_two_ranks_resumes_in_one_process_with_the_scalers_state(ranks):
     """Saved sharded on 2 ranks with torch.distributed.checkpoint (the scaler as a Stateful beside model and
     optimizer), loaded into an unsharded model in one process: the full parameters, the momentum and the scale."""
