@@ -162,8 +162,9 @@ class TorchBackend(Backend):
         """One optimizer step; on a retry request the same micro-batches are run again with the new scale."""
         for group in self.optimizer.param_groups:  # a graphed step copies a number into the tensor it reads
             group["lr"] = lr
-        # Underflow is measured against a captured float32 twin of the model, which FSDP2's hooks rule out.
-        record = record and not self.sharded
+        # Underflow is measured against a captured float32 twin of the model, which FSDP2's hooks rule out; the
+        # layer scales of a recorded step are still read.
+        logged, record = record, record and not self.sharded
         self.model.train()
         if self.graphed is not None and not record and len(micro_batches) == 1 and not self.inject_nonfinite_loss:
             return self._graphed_train_step(micro_batches[0])
@@ -184,7 +185,7 @@ class TorchBackend(Backend):
             retries += 1
         return StepOutcome(loss=float(self.scaler.last_loss), overflow=overflowed, skipped=not stepped,
                            scale=scale, retries=retries, layers=layers,
-                           layer_scales=self.scaler.layer_scales() if record else [])
+                           layer_scales=self.scaler.layer_scales() if logged else [])
 
     def _graphed_train_step(self, batch: Batch) -> StepOutcome:
         """One optimizer step replayed from its CUDA graph (retries included); recorded steps run eagerly."""
