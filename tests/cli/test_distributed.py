@@ -87,6 +87,24 @@ def rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
+def signal_rank_1_when(config: Path, run_dir: Path, ready, signum: int, env: dict, cwd: Path
+                       ) -> tuple[int, str, str]:
+    """Start ``adaloss train --config CONFIG --out RUN_DIR --nproc-per-node 2``, wait until ``ready()``, send
+    ``signum`` to the process of rank 1 only; the launcher's exit code, stdout and stderr once it ended."""
+    launcher = subprocess.Popen([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config), "--out",
+                                 str(run_dir), "--quiet", "--nproc-per-node", "2"], env=env, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ready():
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+        time.sleep(0.01)
+    rank_1 = [pid for pid in children_of(launcher.pid) if rank_of(pid) == 1]
+    assert len(rank_1) == 1
+    os.kill(rank_1[0], signum)
+    stdout, stderr = launcher.communicate(timeout=120)
+    return launcher.returncode, stdout, stderr
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> dict:
     """Launch distributed_worker.py as a 2-process torchrun worker once; its results per rank and its output folder."""
@@ -194,19 +212,10 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_torchrun_resume_end
     config = resume_config(tmp_path)
     run_dir = tmp_path / "runs" / "stopped"
     env = {**dist_env(), FAULT_ENV: NAN_ON_RANK_1}
-    launcher = subprocess.Popen([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config), "--out",
-                                 str(run_dir), "--quiet", "--nproc-per-node", "2"], env=env, cwd=cwd,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
     log = run_dir / "steps.jsonl"
-    while not (log.exists() and log.read_text().count("\n") >= 6):
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
-        time.sleep(0.02)
-    rank_1 = [pid for pid in children_of(launcher.pid) if rank_of(pid) == 1]
-    assert len(rank_1) == 1
-    os.kill(rank_1[0], signal.SIGTERM)
-    stdout, stderr = launcher.communicate(timeout=120)
-    assert launcher.returncode == 128 + signal.SIGTERM, stdout + stderr
+    code, stdout, stderr = signal_rank_1_when(
+        config, run_dir, lambda: log.exists() and log.read_text().count("\n") >= 6, signal.SIGTERM, env, cwd)
+    assert code == 128 + signal.SIGTERM, stdout + stderr
     assert "SIGTERM" in stderr and "--resume" in stderr and "Traceback" not in stderr
     assert stderr.count("stopped by SIGTERM") == 1  # rank 0 reports; rank 1 exits quietly
     meta = json.loads((run_dir / "meta.json").read_text())

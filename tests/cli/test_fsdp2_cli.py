@@ -9,18 +9,16 @@ Six launches for the whole file plus two resumes: about a minute and a half here
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from test_distributed import children_of, dist_env, final_checkpoint, rank_of, steps, summary
+from test_distributed import dist_env, final_checkpoint, signal_rank_1_when, steps, summary
 
 torch = pytest.importorskip("torch")
 
@@ -114,25 +112,12 @@ def test_adaptive_scaling_with_fsdp2_equals_ddp_and_pure_mode_uses_fsdp2s_mixed_
     assert summary(runs["fsdp2-pure"])["status"] == "completed"
 
 
-def _kill_rank_1_after_checkpoint(config: Path, run_dir: Path) -> None:
-    launcher = subprocess.Popen([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config), "--out",
-                                 str(run_dir), "--quiet", "--nproc-per-node", "2"], env=dist_env(),
-                                cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wanted = run_dir / "checkpoints" / f"step-{2 * CHECKPOINT_EVERY:08d}.ckpt"
-    deadline = time.time() + 120
-    while not wanted.exists():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
-        time.sleep(0.01)
-    rank_1 = [pid for pid in children_of(launcher.pid) if rank_of(pid) == 1]
-    assert len(rank_1) == 1
-    os.kill(rank_1[0], signal.SIGKILL)
-    stdout, stderr = launcher.communicate(timeout=120)
-    assert launcher.returncode != 0, stdout + stderr
-
-
 def test_kill_9_of_one_process_then_resume_on_2_and_on_1_process(runs, tmp_path):
     killed = tmp_path / "killed"
-    _kill_rank_1_after_checkpoint(runs["config"], killed)
+    wanted = killed / "checkpoints" / f"step-{2 * CHECKPOINT_EVERY:08d}.ckpt"
+    code, stdout, stderr = signal_rank_1_when(runs["config"], killed, wanted.exists, signal.SIGKILL, dist_env(),
+                                              tmp_path)
+    assert code != 0, stdout + stderr
     saved = final_checkpoint(killed)
     assert CHECKPOINT_EVERY * 2 <= saved["step"] < ITERATIONS and saved["world_size"] == 2
     on_one = tmp_path / "on-one"
