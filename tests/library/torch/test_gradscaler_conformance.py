@@ -75,8 +75,10 @@ def make_scaler(kind: str, model: nn.Module | None, *, init_scale: float = 2.0 *
     if kind == "dynamic":
         return LossScaler(model, "dynamic", init_scale=init_scale, growth_factor=growth_factor,
                           backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+    # Eager steps, also on CUDA where the default compiles: the ported cases build many small models, each of which
+    # would compile (test_default_mode.py holds the compiled default to the eager steps).
     return LossScaler(model, "adaptive", init_scale=init_scale, backoff_factor=backoff_factor,
-                      growth_interval=growth_interval, enabled=enabled)
+                      growth_interval=growth_interval, enabled=enabled, compile=False)
 
 
 def begin_iteration(scaler: Any) -> None:
@@ -564,16 +566,25 @@ def _fused_optimizer_case(kind, optimizer_ctor, optimizer_kwargs, separate_unsca
         scaler_scaling.step(opt_scaling)
         scaler_scaling.update()
 
-        torch.testing.assert_close(loss_control, loss_scaling)
+        # Fused and unfused Adam round differently, and at lr=1.0 a difference of one step grows in the next: as
+        # PyTorch's own test (its TensorTracker), each value is compared, then the control's copied over it.
+        _check_then_align(loss_control, loss_scaling)
         for param_control, param_scaling in zip(mod_control.parameters(), mod_scaling.parameters()):
-            torch.testing.assert_close(param_control.grad, param_scaling.grad)
-            torch.testing.assert_close(param_control, param_scaling)
+            _check_then_align(param_control.grad, param_scaling.grad)
+            _check_then_align(param_control, param_scaling)
             state_control, state_scaling = opt_control.state[param_control], opt_scaling.state[param_scaling]
             for k in state_control:
                 actual = state_scaling[k]
                 if k == "step":  # unfused Adam keeps its step count on the CPU, fused Adam on the GPU
                     actual = actual.squeeze()
-                torch.testing.assert_close(state_control[k], actual, check_device=False)
+                _check_then_align(state_control[k], actual)
+
+
+def _check_then_align(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """``actual`` equals ``expected`` (float32 tolerances, any device), and is then set to it."""
+    torch.testing.assert_close(actual, expected, check_device=False)
+    with torch.no_grad():
+        actual.copy_(expected)
 
 
 @pytest.mark.parametrize("optimizer_kwargs", [{"foreach": False, "fused": False}, {"foreach": True, "fused": False},
