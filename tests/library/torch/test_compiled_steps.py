@@ -99,6 +99,22 @@ def _gradients(model, scaler, x, y, autocast_dtype, pure=False):
     return grads
 
 
+def _float32_gradients(model, x, y):
+    """The gradients of the same loss in float32 without autocast or scaling (the model's own parameters, its
+    captured forward run eagerly): what both fp16 computations approximate."""
+    import copy
+    from adaloss.torch.capture import uninstall
+    plain = copy.deepcopy(model)
+    uninstall(plain)
+    x = x.detach().requires_grad_(x.requires_grad)
+    out = plain(x)
+    F.cross_entropy(out[0] if isinstance(out, tuple) else out, y).backward()
+    grads = {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
+    if x.requires_grad:
+        grads["input"] = x.grad
+    return grads
+
+
 @contextmanager
 def _reads_forbidden(device: str):
     """Any read of a device value raises: CUDA's sync debug mode on a GPU; on CPU (the device path, see
@@ -151,14 +167,15 @@ def _check_coefficients(state, graph, expected: int):
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
-                        period: int = 2, net: type = _Net, forbid_reads: bool = False) -> LossScaler:
+                        period: int = 2, net: type = _Net, forbid_reads: bool = False,
+                        compile: bool | None = True) -> LossScaler:
     """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
     weights through the eager step too and compare every gradient, and after a refresh everything it stored.
     ``forbid_reads``: once the first ``period`` steps compiled, the compiled steps' forward and backward must read
     no device value (see :func:`_reads_forbidden`)."""
     torch.manual_seed(0)
     model = net().to(device)
-    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=period)
+    scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=period)
     if pure:  # every activation in fp16, cast inside the graph
         scaler.set_pure_dtype(autocast_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -171,7 +188,8 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         # The input requires a gradient, which leaves through the input point at the loss's scale.
         x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device).requires_grad_()
         y = torch.randint(0, 10, (8,), generator=gen).to(device)
-        refresh, reuse, before = state.refresh, state.reuse, state.mode.steps
+        refresh, reuse = state.refresh, state.reuse
+        before = getattr(state.mode, "steps", 0)  # (the default mode is chosen at the first forward)
         with _reads_forbidden(device) if forbid_reads and step >= period else nullcontext():
             compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
         state.settle()
@@ -197,11 +215,21 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         # (which, as torch.compile's, takes zeros for the gradient of an unused output).
         assert eager.keys() <= compiled.keys() and "input" in eager
         assert all(not compiled[name].any() for name in compiled.keys() - eager.keys())
+        reference = _float32_gradients(model, x, y) if autocast_dtype is not None else None
         for name, b in eager.items():
             a = compiled[name]
             assert torch.isfinite(b).all(), name
             scale = b.abs().max().clamp_min(1e-30)
-            assert ((a - b).abs().max() / scale).item() <= rtol, name
+            apart = ((a - b).abs().max() / scale).item()
+            if apart > rtol and reference is not None:
+                # Two fp16 computations that round differently may differ by more than either is off: the judge is
+                # then the float32 gradient, which the compiled one must be about as close to as the eager one.
+                truth = reference[name]
+                off = {label: ((g - truth).abs().max() / truth.abs().max().clamp_min(1e-30)).item()
+                       for label, g in (("compiled", a), ("eager", b))}
+                assert off["compiled"] <= max(rtol, 2 * off["eager"]), (name, apart, off)
+            else:
+                assert apart <= rtol, name
         if refresh:
             refreshes += 1
             arrays, caches, tables = stored
@@ -217,7 +245,7 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
             torch.testing.assert_close(tables[0], want_tables[0], rtol=0, atol=0)
         scaler.step(optimizer)
         scaler.update()
-    assert refreshes >= 2
+    assert refreshes >= 2 and state.mode.name == "compiled"
     if period > 1:
         assert len(factors_seen) >= 2 and any(not torch.equal(factors_seen[0], f) for f in factors_seen[1:])
     return scaler
