@@ -32,16 +32,42 @@ from .static_points import Layout, reuse_call, static_graph
 __all__ = ["CompiledMode", "CompiledSteps"]
 
 
+#: Distinct graphs (input shapes, train or eval, autocast settings) that compiled steps are compiled for when the
+#: user did not ask for compiling; each costs a compile of seconds to minutes, so a model whose shapes keep changing
+#: runs its further graphs eagerly.
+DEFAULT_COMPILED_GRAPHS = 4
+
+
 class CompiledMode(ExecutionMode):
     """Compiled steps: each captured graph runs through a :class:`CompiledSteps`. ``steps`` counts the forward calls
     that ran compiled (an eager fallback after a compiler failure shows as none), ``graphs`` holds the
-    :class:`CompiledSteps` of every captured graph."""
+    :class:`CompiledSteps` of every captured graph.
+
+    ``chosen``: the user asked for it (``compile=True``); otherwise it is the CUDA default, which compiles at most
+    :data:`DEFAULT_COMPILED_GRAPHS` graphs and gives way to CUDA graphs (``GraphedStep``) without complaint."""
 
     name = "compiled"
 
-    def __init__(self) -> None:
+    def __init__(self, chosen: bool = True) -> None:
         self.steps = 0
         self.graphs: list[CompiledSteps] = []
+        self.chosen = chosen
+        self._shapes_warned = False
+
+    def may_compile(self, steps: "CompiledSteps") -> bool:
+        """Whether ``steps`` may compile a graph now: always when chosen; by default within the graph budget (a
+        warning, once, when the budget is spent)."""
+        if self.chosen or steps.compiled_any:
+            return True
+        if sum(graph.compiled_any for graph in self.graphs) < DEFAULT_COMPILED_GRAPHS:
+            return True
+        if not self._shapes_warned:
+            self._shapes_warned = True
+            warnings.warn(f"adaloss: the model's input shapes keep changing ({DEFAULT_COMPILED_GRAPHS} graphs "
+                          "compiled already); compiled steps compile once per shape, so new shapes run eager steps "
+                          "(correct, slower). Pad or bucket the batches to a few shapes, or pass compile=True to "
+                          "compile every shape, or compile=False", RuntimeWarning, stacklevel=5)
+        return False
 
     def wrap(self, graph: fx.GraphModule, state: ScaleState) -> Callable[..., Any]:
         return CompiledSteps(graph, state, self)
@@ -51,6 +77,24 @@ def _compile_failed(kind: str, err: Exception) -> None:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     warnings.warn(f"adaloss: compiling the {kind} steps failed ({type(err).__name__}: {first}); they run eagerly "
                   "(correct, slower)", RuntimeWarning, stacklevel=4)
+
+
+def compile_static(static: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """``static`` compiled by Inductor, forward and backward, for ``example_inputs``' shapes.
+
+    Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
+    sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
+    process or an earlier one: the cache lives on disk) loads its kernels instead of generating them again."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+             for x in example_inputs]
+    with tracing(TracingContext(fake_mode)):
+        return compile_fx(static, fakes)
 
 
 class CompiledSteps:
@@ -72,6 +116,11 @@ class CompiledSteps:
         self._failed = False
         mode.graphs.append(self)
 
+    @property
+    def compiled_any(self) -> bool:
+        """Whether this graph has compiled (or tried to compile) its steps of either kind."""
+        return self._compiled is not None or self._failed or bool(self.refreshes)
+
     def _compilable(self) -> bool:
         state = self.state
         return (state.mode is self.mode and state.adaptive and not state.recording and not state.reference_pass
@@ -90,6 +139,8 @@ class CompiledSteps:
 
     def _reuse(self, args: tuple) -> Any:
         if self._compiled is None:
+            if not self.mode.may_compile(self):
+                return self.gm.forward(*args)
             self._compile_steps(args)
             if self._compiled is None:
                 return self.gm.forward(*args)
@@ -102,14 +153,12 @@ class CompiledSteps:
         return self._compiled(*args, self.coefficients)
 
     def _compile_steps(self, args: tuple) -> None:
-        from torch._inductor.compile_fx import compile_fx
-
         dtype, pure = compute_dtype(self.state)
         layout = Layout()
         static = static_graph(self.gm, ["adaloss_coefficients"],
                               lambda module: reuse_call(module, layout, dtype, pure))
         try:
-            self._compiled = compile_fx(static, [*args, layout.gather(self.state, self.plan)])
+            self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)])
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             self._failed = True
             _compile_failed("between-refresh", err)
@@ -122,6 +171,8 @@ class CompiledSteps:
         state = self.state
         entry = self.refreshes.get(state.headroom, ())
         if entry == ():
+            if not self.mode.may_compile(self):
+                return self.gm.forward(*args)
             entry = self.refreshes[state.headroom] = self._compile_refresh(args)
         if entry is None:
             return self.gm.forward(*args)
@@ -139,8 +190,6 @@ class CompiledSteps:
         return loss_scale, torch.zeros(writes.size, device=state.device, requires_grad=True)
 
     def _compile_refresh(self, args: tuple) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
         from adaloss.core.array_ops import traced_scalars
 
         state = self.state
@@ -150,7 +199,7 @@ class CompiledSteps:
                               begin=trace.begin)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
-                compiled = compile_fx(static, [*args, *self._refresh_inputs(trace.writes)])
+                compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)])
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             _compile_failed("refresh", err)
             return None
