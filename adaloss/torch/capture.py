@@ -33,6 +33,8 @@ from adaloss.errors import TransformError
 
 from .attention import expose_attention, restore_attention
 from .graph_transform import transform_graph
+from .modes.default import DefaultMode
+from .modes.eager import EagerMode
 from .scale_state import ScaleState
 
 __all__ = ["compiled", "install", "installed_state", "uninstall"]
@@ -79,13 +81,22 @@ def compiled(model: nn.Module, state: ScaleState, prefix: str = "",
         return model._call_impl(*args, **kwargs) if forward is None else forward(*args, **kwargs)
 
     _raise_recompile_limit()
-    # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code would
-    # need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed batches.
-    function = torch.compile(_own_code(run), backend=backend, fullgraph=True,
+    function: Callable[..., Any] | None = None
+
+    def capture() -> Callable[..., Any]:
+        if isinstance(state.mode, DefaultMode):  # the first forward of any piece chooses, where the model is now
+            state.mode = state.mode.resolve(model)
+        # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code
+        # would need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed
+        # batches.
+        return torch.compile(_own_code(run), backend=backend, fullgraph=True,
                              dynamic=False if state.mode.name == "compiled" else None)
 
     @functools.wraps(model._call_impl)
     def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal function
+        if function is None:
+            function = capture()
         try:
             # Inside DistributedDataParallel's forward, Dynamo would split the graph at DDP's gradient buckets; the
             # scale routing needs the whole graph (and DDP's hooks see unscaled gradients anyway).
@@ -182,6 +193,8 @@ def install(model: nn.Module, state: ScaleState) -> None:
     if pieces is None:
         model._compiled_call_impl = _Installed(compiled(model, state), state)
         return
+    if isinstance(state.mode, DefaultMode):
+        state.mode = EagerMode()  # an FSDP2 model's pieces run eager steps
     if state.mode.name != "eager":
         raise TransformError(f"{type(model).__name__} is sharded with FSDP2: its adaptive scaling runs eager "
                              "steps (compile=True is not supported with FSDP2 yet); build LossScaler(model, "

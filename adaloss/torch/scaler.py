@@ -34,6 +34,7 @@ from adaloss.options import LossScalingConfig, scaling_options
 from adaloss.core.policies import ScalePolicy, StepAction, build_policy
 
 from .capture import compiled, install, sharded_pieces
+from .modes.default import DefaultMode
 from adaloss.errors import TransformError
 from .recording import describe_points, layer_records, run_reference_pass
 from .scale_state import ScaleState
@@ -87,7 +88,10 @@ class LossScaler:
         compile: run the model compiled by torch.compile's Inductor. Adaptive: refresh steps and steps between
             refreshes each run as one compiled forward and backward, with no Python per layer (see
             ``modes/compiled.py``). Other methods: ``model.compile()``. Each input shape compiles at its first
-            step of each kind: seconds to minutes.
+            step of each kind: seconds to minutes. None (the default): adaptive scaling of a model on a CUDA
+            device runs compiled steps (eager ones, with a warning, where Triton is missing, and without one for
+            a model sharded with FSDP2), every other case eager steps (on a CPU the eager step is faster until
+            about a thousand steps have paid for compiling); the other methods leave the model as it is.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -103,7 +107,7 @@ class LossScaler:
     """
 
     def __init__(self, model: nn.Module | None, method: str = "dynamic", *, config: LossScalingConfig | None = None,
-                 enabled: bool = True, process_group: Any = None, compile: bool = False,
+                 enabled: bool = True, process_group: Any = None, compile: bool | None = None,
                  **options: Any) -> None:
         if "fused" in options:
             raise TypeError("LossScaler(fused=...) was retired: the per-point compiled refresh was no faster than "
@@ -129,6 +133,8 @@ class LossScaler:
                 from .modes.compiled import CompiledMode  # (its Inductor machinery loads when it first compiles)
 
                 self.state.mode = CompiledMode()
+            elif compile is None:  # chosen at the first forward, on the device the model is on then
+                self.state.mode = DefaultMode()
             install(model, self.state)
         elif compile:
             model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay

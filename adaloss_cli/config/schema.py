@@ -127,10 +127,13 @@ class TrainingConfig:
                                "logic, unscale, optimizer step with the overflow skip on the device) in a CUDA "
                                "graph and replay it, so the host launches one graph instead of thousands of kernels. "
                                "The optimizer runs fused; one process, grad_accum_steps 1.")
-    compile: bool = option(False, "PyTorch: run the model compiled by torch.compile (Inductor). With adaptive "
-                           "scaling, refresh steps and steps between refreshes each run as one compiled forward and "
-                           "backward, scale logic included; other methods compile the model. Each input shape "
-                           "compiles at its first step (seconds to minutes).")
+    compile: Optional[bool] = option(None, "PyTorch: run the model compiled by torch.compile (Inductor). With "
+                                     "adaptive scaling, refresh steps and steps between refreshes each run as one "
+                                     "compiled forward and backward, scale logic included; other methods compile "
+                                     "the model. Each input shape compiles at its first step (seconds to minutes). "
+                                     "null: compiled for adaptive scaling on one CUDA device (not with cuda_graphs "
+                                     "or several processes), eager otherwise (on a CPU eager steps are faster for "
+                                     "runs of under about a thousand steps).")
     distributed: str = option("ddp", "With several processes (torchrun, --nproc-per-node): ddp "
                               "(DistributedDataParallel: every process holds the whole model and its optimizer "
                               "state) or fsdp2 (torch's fully_shard per block and at the root: each process holds a "

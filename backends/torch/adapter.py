@@ -73,7 +73,10 @@ class TorchBackend(Backend):
         if self.sharded:  # before the scaler and the optimizer, as FSDP2 users write it; adaptive scaling casts
             shard(model, forward.dtype if pure and not adaptive else None)  # in its graphs, from float32
 
-        self.scaler = LossScaler(model, config=config.loss_scaling, compile=config.training.compile,
+        compile = config.training.compile
+        if compile is None and (distributed or config.training.cuda_graphs):
+            compile = False  # the CUDA default is one process's compiled steps; graphs replay eager steps
+        self.scaler = LossScaler(model, config=config.loss_scaling, compile=compile,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
         self.forward = forward

@@ -151,7 +151,7 @@ class GraphedStep:
                              "eager steps there")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
-        if scaler.state is not None and isinstance(scaler.state.mode, CompiledMode):
+        if scaler.state is not None and isinstance(scaler.state.mode, CompiledMode) and scaler.state.mode.chosen:
             raise ValueError("GraphedStep replays eager steps; its LossScaler was built with compile=True (choose "
                              "one: CUDA graphs or compiled steps)")
         self._rates = graph_safe_optimizer(optimizer)

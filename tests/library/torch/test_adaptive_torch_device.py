@@ -144,7 +144,7 @@ def test_steps_between_refreshes_on_a_device_apply_host_copies_read_with_the_ove
 def test_cuda_forward_and_backward_never_synchronise(method):
     torch.manual_seed(0)
     model = CifarResNet(8, 3, 10, width=8).cuda()
-    scaler = LossScaler(model, "adaptive", loss_scale_method=method)
+    scaler = LossScaler(model, "adaptive", loss_scale_method=method, compile=False)  # the eager device path
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 3, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
     for step in range(3):  # the first step captures and warms up outside the debug mode

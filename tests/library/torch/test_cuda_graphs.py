@@ -68,7 +68,7 @@ def emulated_capture(monkeypatch):
 def _setup(method: str, device: str = "cpu", optimizer: str = "sgd", **options):
     torch.manual_seed(0)
     model = CifarResNet(8, 3, 10, width=4).to(device)
-    scaler = LossScaler(model, method, **options)
+    scaler = LossScaler(model, method, compile=False, **options)  # eager steps, which a graph replays
     if optimizer == "adam":
         return model, scaler, torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4, fused=True)
     return model, scaler, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
