@@ -8,9 +8,14 @@ from typing import Any
 from benchmarks.memory import RSS, TENSORS
 from benchmarks.workloads import COMPILED_REFERENCE, COMPILED_VARIANTS, REFERENCE, Workload
 
-# The issue's goals: (variant, quantity, limit).
+# The issues' goals, step time over eager GradScaler's (the compiled variants also over compiled GradScaler's).
+# On a CPU the default adaptive step is the eager one.
 TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03, "adaptive-1-graph": 1.10, "adaptive-100-graph": 1.03,
               "adaptive-1-compiled": 1.10, "adaptive-100-compiled": 1.03}
+#: On CUDA (issue 30): the default configuration, compiled there, at GradScaler's step time; with CUDA graphs
+#: faster than it.
+CUDA_TIME_GOALS = {**TIME_GOALS, "adaptive-1": 1.05, "adaptive-100": 1.02, "adaptive-1-graph": 0.7,
+                   "adaptive-100-graph": 0.7}
 #: Beyond GradScaler: on the launch-bound ResNet-20, adaptive with CUDA graphs must beat eager GradScaler.
 FASTER_THAN_REFERENCE = {("resnet20", "adaptive-1-graph"): 1.0}
 MEMORY_GOAL = 1.05
@@ -65,7 +70,8 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
               f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}"
               f"{_fmt(row.get('rss_mb'), '.2f', 9)}{_fmt(rss_ratio, '.3f', 11)}  {'; '.join(notes)}")
     checks = []
-    for name, limit in TIME_GOALS.items():
+    goals = CUDA_TIME_GOALS if device.startswith("cuda") else TIME_GOALS
+    for name, limit in goals.items():
         row = timing.get(name)
         if row is None or "ratio" not in row:
             continue
@@ -82,7 +88,7 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
         value = row.get("ratio_amortised", row["ratio"]) / compiled_reference["ratio"]
         checks.append({"model": work.model, "goal": f"{name}/{COMPILED_REFERENCE} step time"
                        + (" (amortised)" if "ratio_amortised" in row else ""), "value": value,
-                       "limit": TIME_GOALS[name]})
+                       "limit": goals[name]})
     for (model, name), limit in FASTER_THAN_REFERENCE.items():
         row = timing.get(name)
         if model == work.model and row is not None and "ratio" in row:
@@ -115,7 +121,7 @@ def _report_step_peaks(model: str, peaks: dict[str, int]) -> list[dict[str, Any]
         ratios = {reference: peak / peaks[reference] for reference in references}
         versus = "".join(f"  ({ratios[r]:.3f}x {r})" for r in references[1:])
         print(f"  {name:<22}{peak / 2**20:>10.3f} MB {ratios[REFERENCE]:>7.3f}x {REFERENCE}{versus}")
-        if name.startswith("adaptive-") and name in COMPILED_VARIANTS:
+        if name.startswith("adaptive-"):  # every adaptive variant measured here compiles
             checks += [{"model": model, "goal": f"{name}/{reference} step peak tensor memory "
                                                 f"({(peak - peaks[reference]) / 2**20:+.3f} MB)",
                         "value": ratio, "limit": MEMORY_GOAL} for reference, ratio in ratios.items()]

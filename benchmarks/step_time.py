@@ -11,14 +11,17 @@ What is compared, per model, on ONE set of seeded initial weights and the same s
 
 - ``gradscaler``:   ``torch.amp.GradScaler(device)``, the reference.
 - ``dynamic``:      ``LossScaler(model, "dynamic")`` (adaloss's global dynamic scaling, pytorch preset).
-- ``adaptive-1``:   ``LossScaler(model, "adaptive", update_per_n_iteration=1)``: per-layer statistics every step.
-- ``adaptive-100``: ``LossScaler(model, "adaptive", update_per_n_iteration=100)``.
+- ``adaptive-1``:   ``LossScaler(model, "adaptive", update_per_n_iteration=1)``: per-layer statistics every step,
+  in the default configuration: compiled steps on CUDA, eager ones on a CPU.
+- ``adaptive-100``: ``LossScaler(model, "adaptive", update_per_n_iteration=100)``, likewise.
+- ``adaptive-1-eager``, ``adaptive-100-eager``: the same with ``compile=False`` (on CUDA; on a CPU the default is
+  eager already, so they run only when asked for).
 - ``dynamic-graph``, ``adaptive-1-graph``, ``adaptive-100-graph`` (CUDA only): the same scalers with the whole step
   captured in a CUDA graph (``GraphedStep``, fused SGD, the overflow skip applied on the device); their one host read
   per step brings the loss along. ``dynamic-graph`` is what GradScaler-style scaling gains from graphs alone, so
   ``adaptive-1-graph`` against it shows what the per-layer logic costs on the device.
-- ``gradscaler-compiled``, ``adaptive-1-compiled``, ``adaptive-100-compiled`` (default on CUDA, asked for on
-  CPU): GradScaler on the model compiled by Inductor (``model.compile()``), and ``LossScaler(..., compile=True)``,
+- ``gradscaler-compiled``, ``adaptive-1-compiled``, ``adaptive-100-compiled`` (run by default on CUDA, asked for
+  on CPU): GradScaler on the model compiled by Inductor (``model.compile()``), and ``LossScaler(..., compile=True)``,
   whose refresh steps and steps between refreshes both run compiled. The compiled adaptive variants are checked
   against both references: eager GradScaler, and GradScaler on the same compiled model.
 
@@ -61,8 +64,9 @@ from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
-from benchmarks.workloads import (COMPILED_REFERENCE, COMPILED_VARIANTS, GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner,
-                                  Workload, build_initial, refresh_period, synchronizer, workload_for)
+from benchmarks.workloads import (COMPILED_REFERENCE, COMPILED_VARIANTS, EAGER_VARIANTS, GRAPH_VARIANTS, REFERENCE,
+                                  VARIANTS, Runner, Workload, build_initial, compiles, refresh_period, synchronizer,
+                                  workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -277,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--variants {' '.join(graphs)}: CUDA graphs need --device cuda")
     if args.variants is None:
         args.variants = [v for v in VARIANTS
-                         if args.device != "cpu" or v not in GRAPH_VARIANTS + COMPILED_VARIANTS]
+                         if args.device != "cpu" or v not in GRAPH_VARIANTS + COMPILED_VARIANTS + EAGER_VARIANTS]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE] + list(args.variants)
     args.variants = [v for v in VARIANTS if v in args.variants]
@@ -311,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "dtype": args.dtype, "threads": args.threads, "measure": measure,
                                           "prewarm": not args.memory_cold}
               for model, work in works.items() for variant in args.variants for measure in measures
-              if variant not in COMPILED_VARIANTS}  # (each probe process would compile again; not a goal)
+              if not compiles(variant, args.device)}  # (each probe process would compile again)
     memory_all = {} if args.no_memory else measure_memory(probes, jobs)
     for model_name, work in works.items():
         memory: dict[str, dict[str, Any]] = {}
@@ -330,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             timing[name]["compile_s"] = max(sum(seconds) - len(seconds) * timing[name]["ms_median"] / 1e3, 0.0)
         runs = {name: runner.summary() for name, runner in runners.items()}
         peaks = {}
-        if any(name in COMPILED_VARIANTS for name in runners):  # their memory, measured in this process
-            peaks = step_peaks({name: runners[name] for name in (REFERENCE, *COMPILED_VARIANTS) if name in runners},
+        if any(compiles(name, args.device) for name in runners):  # their memory, measured in this process
+            peaks = step_peaks({name: runner for name, runner in runners.items()
+                                if name in (REFERENCE, COMPILED_REFERENCE) or compiles(name, args.device)},
                                batches, args.device)
         checks = report_model(work, args.device, args.dtype, timing, memory, runs, peaks)
         if args.profile:

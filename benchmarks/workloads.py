@@ -11,14 +11,25 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100",
+VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100", "adaptive-1-eager", "adaptive-100-eager",
             "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
             "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled")
+#: ``adaptive-N``: the default configuration, ``LossScaler(model, "adaptive", update_per_n_iteration=N)``, which
+#: compiles its steps on CUDA and runs them eagerly on a CPU; ``adaptive-N-eager``: ``compile=False`` (on a CPU the
+#: same as the default, so left out there unless asked for).
+EAGER_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-eager"))
 #: The variants that capture the whole step in a CUDA graph (``GraphedStep``, fused SGD): CUDA only.
 GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
 #: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
 COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-compiled"))
+#: The variants whose default configuration compiles on CUDA.
+DEFAULT_ADAPTIVE = ("adaptive-1", "adaptive-100")
+
+
+def compiles(variant: str, device: str) -> bool:
+    """Whether ``variant`` compiles its model on ``device`` (asked for, or the adaptive default on CUDA)."""
+    return variant in COMPILED_VARIANTS or (variant in DEFAULT_ADAPTIVE and device.startswith("cuda"))
 REFERENCE = "gradscaler"
 #: The reference of the compiled variants: GradScaler on the same model compiled by Inductor.
 COMPILED_REFERENCE = "gradscaler-compiled"
@@ -94,7 +105,7 @@ class Runner:
 
         self.variant = variant
         self.model = copy.deepcopy(initial)  # transformed in place by adaptive
-        compiled = variant in COMPILED_VARIANTS
+        compiled = True if variant in COMPILED_VARIANTS else False if variant in EAGER_VARIANTS else None
         if variant.startswith("gradscaler"):
             self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
             if compiled:
@@ -140,6 +151,8 @@ class Runner:
         if policy is not None:
             info["skipped_steps"] = int(policy.skipped_steps)
         state = getattr(self.scaler, "state", None)
+        if state is not None:
+            info["mode"] = state.mode.name
         if state is not None and state.mode.name == "compiled":  # 0: every step ran eagerly (a compiler failure)
             info["compiled_steps"] = state.mode.steps
         return info
