@@ -15,6 +15,7 @@ import os
 import statistics
 import signal
 import threading
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -266,6 +267,8 @@ class Trainer:
         bar = progress_bar(plan.total_steps, initial=state.step, desc=cfg.run.name, unit="step",
                            enabled=self.show_progress, leave=True)
         notes = NonfiniteNotes(bar, plan.total_steps, enabled=self.notes and world.is_main)
+        if backend.start_notice and self.notes and world.is_main and state.step < plan.total_steps:
+            print(backend.start_notice, file=sys.stderr, flush=True)
         diverge_after = nonfinite_limit(cfg.training.max_consecutive_nonfinite, plan.total_steps)
         warm_until = state.step + min(WARMUP_STEPS, plan.total_steps // 4)  # this process's warm-up
         # Adaptive scaling has no one scale to show: the bar shows the spread of the last recorded layer scales.

@@ -48,6 +48,8 @@ class Backend(ABC):
     name: ClassVar[str]
     #: Set by the engine's test-only fault hook: make this step's loss NaN (see engine.FAULT_ENV).
     inject_nonfinite_loss: bool = False
+    #: A line for the user before the first step when it will take long (compiling), or None.
+    start_notice: str | None = None
 
     def __init__(self, config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int,
                  device: str) -> None:

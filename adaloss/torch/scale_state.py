@@ -141,8 +141,8 @@ class ScaleState(ScaleSchedule):
         #: Counts the changes of anything a step between refreshes reads (factors, caches, templates): the compiled
         #: steps between refreshes (``modes/compiled.py``) gather their coefficients again when it moves.
         self.generation = 0
-        #: How the steps run (``modes/``): eager by default; ``LossScaler(compile=True)`` and ``GraphedStep`` set
-        #: another. The state asks it two things: whether to mirror the factors on the host, whether to keep
+        #: How the steps run (``modes/``): eager unless set; ``LossScaler`` sets the default mode (compiled on
+        #: CUDA, chosen at the first forward) or the one asked for, and ``GraphedStep`` its own. The state asks it two things: whether to mirror the factors on the host, whether to keep
         #: templates of fixed address.
         self.mode: ExecutionMode = EagerMode()
         self.graphs: dict[int, GraphPlan] = {}

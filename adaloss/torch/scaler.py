@@ -90,8 +90,9 @@ class LossScaler:
             ``modes/compiled.py``). Other methods: ``model.compile()``. Each input shape compiles at its first
             step of each kind: seconds to minutes. None (the default): adaptive scaling of a model on a CUDA
             device runs compiled steps (eager ones, with a warning, where Triton is missing, and without one for
-            a model sharded with FSDP2), every other case eager steps (on a CPU the eager step is faster until
-            about a thousand steps have paid for compiling); the other methods leave the model as it is.
+            a model sharded with FSDP2 or with a ``process_group``), every other case eager steps (on a CPU the
+            eager step is faster until about a thousand steps have paid for compiling); the other methods leave
+            the model as it is.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -133,8 +134,8 @@ class LossScaler:
                 from .modes.compiled import CompiledMode  # (its Inductor machinery loads when it first compiles)
 
                 self.state.mode = CompiledMode()
-            elif compile is None:  # chosen at the first forward, on the device the model is on then
-                self.state.mode = DefaultMode()
+            elif compile is None and process_group is None:  # chosen at the first forward, where the model is then
+                self.state.mode = DefaultMode()  # (data-parallel: eager, as the trainer, until tested on GPUs)
             install(model, self.state)
         elif compile:
             model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay

@@ -73,10 +73,9 @@ class TorchBackend(Backend):
         if self.sharded:  # before the scaler and the optimizer, as FSDP2 users write it; adaptive scaling casts
             shard(model, forward.dtype if pure and not adaptive else None)  # in its graphs, from float32
 
-        compile = config.training.compile
-        if compile is None and (distributed or config.training.cuda_graphs):
-            compile = False  # the CUDA default is one process's compiled steps; graphs replay eager steps
-        self.scaler = LossScaler(model, config=config.loss_scaling, compile=compile,
+        # training.compile null: the library's default (compiled for adaptive scaling on one CUDA device; eager
+        # with a process group, and GraphedStep takes over with cuda_graphs)
+        self.scaler = LossScaler(model, config=config.loss_scaling, compile=config.training.compile,
                                  process_group=torch.distributed.group.WORLD if distributed else None)
         self.model = self.scaler.model
         self.forward = forward
@@ -90,6 +89,7 @@ class TorchBackend(Backend):
         self.optimizer = build_optimizer(self.model.parameters(), config.training.optimizer, fused=graphs or None)
         #: The captured training step (training.cuda_graphs), or None for eager steps.
         self.graphed = self._graphed_step() if graphs else None
+        self.start_notice = _compile_notice(self.scaler, device)  # (after GraphedStep, which replaces the mode)
         if distributed:  # same initial weights everywhere (DDP broadcast rank 0's), own dropout masks per process
             rank = torch.distributed.get_rank()
             torch.manual_seed(int(np.random.SeedSequence([config.run.seed, rank]).generate_state(1)[0]))
@@ -311,3 +311,14 @@ class TorchBackend(Backend):
     def final_scale(self) -> float:
         """The global loss scale now (what the loss is multiplied by)."""
         return self.scaler.loss_scale
+
+
+def _compile_notice(scaler: LossScaler, device: str) -> str | None:
+    """What to tell the user before an adaptive run whose first steps compile (on CUDA by default)."""
+    from adaloss.torch.modes.default import DefaultMode
+    mode = scaler.state.mode if scaler.state is not None else None
+    if mode is None or not (mode.name == "compiled" or (isinstance(mode, DefaultMode) and device.startswith("cuda"))):
+        return None
+    return ("Note: the adaptive steps are compiled by Inductor: the first steps take a minute or more (ResNet-50 "
+            "several), later runs of the same model load the kernels from Inductor's cache "
+            "(training.compile: false runs eager steps, about 3x slower per step on a GPU)")

@@ -4,9 +4,10 @@ A scale state (``adaloss.torch.scale_state.ScaleState``) holds one mode, ``state
 run for each captured graph, and the state asks it the two things that differ between modes about its own
 bookkeeping. Nothing else about a mode lives in the state: a mode keeps its own counters and objects.
 
-The modes (one module each): ``eager.py`` (the default: the transformed graph runs as it is), ``compiled.py``
-(``LossScaler(compile=True)``: refresh steps and steps between refreshes compiled whole by Inductor) and
-``cuda_graph.py`` (``GraphedStep``: whole training steps captured in CUDA graphs, over eager steps).
+The modes (one module each): ``default.py`` (``LossScaler(model, "adaptive")``: becomes one of the next two at the
+first forward, compiled on CUDA), ``eager.py`` (the transformed graph runs as it is), ``compiled.py``
+(``compile=True``: refresh steps and steps between refreshes compiled whole by Inductor) and ``cuda_graph.py``
+(``GraphedStep``: whole training steps captured in CUDA graphs, over eager steps).
 """
 
 from __future__ import annotations

@@ -136,3 +136,20 @@ def test_cuda_the_default_compiles_and_gives_the_eager_gradients():
     for _ in range(3):
         step(x, y)
     assert step.captures >= 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_trainer_says_when_its_first_steps_compile():
+    from adaloss_cli.backends.torch.adapter import _compile_notice
+    assert _compile_notice(LossScaler(_Net(), "adaptive"), "cpu") is None
+    assert _compile_notice(LossScaler(_Net(), "adaptive", compile=False), "cuda") is None
+    assert _compile_notice(LossScaler(_Net(), "dynamic"), "cuda") is None
+    for scaler, device in ((LossScaler(_Net(), "adaptive"), "cuda"), (LossScaler(_Net(), "adaptive", compile=True),
+                                                                       "cpu")):
+        assert "the first steps take a minute or more" in _compile_notice(scaler, device)
+
+
+def test_a_data_parallel_scaler_keeps_eager_steps(cuda_default):
+    model = _Net()
+    scaler = LossScaler(model, "adaptive", process_group=object())  # (the group is only used when stepping)
+    _step(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)))
+    assert type(scaler.state.mode) is EagerMode
