@@ -84,7 +84,7 @@ def compiled(model: nn.Module, state: ScaleState, prefix: str = "",
     function: Callable[..., Any] | None = None
 
     def capture() -> Callable[..., Any]:
-        if isinstance(state.mode, DefaultMode):  # the first forward of any piece chooses, where the model is now
+        if isinstance(state.mode, DefaultMode):  # chosen at the first forward, on the device the model is on now
             state.mode = state.mode.resolve(model)
         # Compiled steps are compiled for the shapes they first see (a new shape recaptures): shape-generic code
         # would need Dynamo's symbolic sizes threaded through our graph copy, for little gain in training with fixed

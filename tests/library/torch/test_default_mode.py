@@ -153,3 +153,18 @@ def test_a_data_parallel_scaler_keeps_eager_steps(cuda_default):
     scaler = LossScaler(model, "adaptive", process_group=object())  # (the group is only used when stepping)
     _step(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)))
     assert type(scaler.state.mode) is EagerMode
+
+
+def test_lightning_trains_and_skips_an_overflow_on_the_cuda_default(cuda_default):
+    """Lightning builds the scaler before the model reaches its device; the default, chosen at the first forward,
+    compiles there (here forced on the CPU) and keeps the plugin's contract: the loss falls, an overflow is skipped."""
+    pytest.importorskip("lightning")
+    from adaloss.lightning import AdalossPrecision
+    from test_lightning import Classifier, fit
+
+    module, plugin = Classifier(overflow_at=2), AdalossPrecision("adaptive", device="cpu")
+    fit(module, plugin, steps=6)
+    mode = plugin.scaler.state.mode
+    assert mode.name == "compiled" and not mode.chosen and mode.steps >= 5
+    assert module.skipped == [False, False, True, False, False, False]
+    assert module.losses[-1] < module.losses[0] - 0.05, module.losses
