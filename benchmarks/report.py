@@ -11,7 +11,8 @@ from benchmarks.workloads import COMPILED_REFERENCE, COMPILED_VARIANTS, REFERENC
 # The issues' goals, step time over eager GradScaler's (the compiled variants also over compiled GradScaler's).
 # On a CPU the default adaptive step is the eager one.
 TIME_GOALS = {"adaptive-1": 1.10, "adaptive-100": 1.03, "adaptive-1-graph": 1.10, "adaptive-100-graph": 1.03,
-              "adaptive-1-compiled": 1.10, "adaptive-100-compiled": 1.03}
+              "adaptive-1-compiled": 1.10, "adaptive-100-compiled": 1.03, "adaptive-1-regional": 1.10,
+              "adaptive-100-regional": 1.03}
 #: On CUDA (issue 30): the default configuration, compiled there, at GradScaler's step time; with CUDA graphs
 #: faster than it.
 CUDA_TIME_GOALS = {**TIME_GOALS, "adaptive-1": 1.05, "adaptive-100": 1.02, "adaptive-1-graph": 0.7,

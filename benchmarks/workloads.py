@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100", "adaptive-1-eager", "adaptive-100-eager",
             "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
-            "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled")
+            "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled",
+            "adaptive-1-regional", "adaptive-100-regional")
 #: ``adaptive-N``: the default configuration, ``LossScaler(model, "adaptive", update_per_n_iteration=N)``, which
 #: compiles its steps on CUDA and runs them eagerly on a CPU; ``adaptive-N-eager``: ``compile=False`` (on a CPU the
 #: same as the default, so left out there unless asked for).
@@ -22,7 +23,9 @@ EAGER_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-eager"))
 GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
 #: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
-COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-compiled"))
+COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith(("-compiled", "-regional")))
+#: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, compiled per repeated block.
+REGIONAL_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-regional"))
 #: The variants whose default configuration compiles on CUDA.
 DEFAULT_ADAPTIVE = ("adaptive-1", "adaptive-100")
 
@@ -105,7 +108,8 @@ class Runner:
 
         self.variant = variant
         self.model = copy.deepcopy(initial)  # transformed in place by adaptive
-        compiled = True if variant in COMPILED_VARIANTS else False if variant in EAGER_VARIANTS else None
+        compiled = ("regional" if variant in REGIONAL_VARIANTS else True if variant in COMPILED_VARIANTS
+                    else False if variant in EAGER_VARIANTS else None)
         if variant.startswith("gradscaler"):
             self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
             if compiled:
