@@ -75,9 +75,11 @@ def test_cuda_without_triton_runs_eager_steps_and_says_why(monkeypatch):
 
 
 def test_the_cuda_default_gives_the_eager_gradients_and_factors(cuda_default):
-    scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, steps=4, period=2, compile=None)
+    # Refresh steps only, for the suite's time (one graph to compile); test_compiled_steps.py compares the steps
+    # between refreshes, which the default compiles with the same code.
+    scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, steps=3, period=1, compile=None)
     mode = scaler.state.mode
-    assert mode.name == "compiled" and not mode.chosen and mode.steps >= 3
+    assert mode.name == "compiled" and not mode.chosen and mode.steps == 3
 
 
 def test_the_cuda_default_compiles_a_few_shapes_then_runs_new_ones_eagerly(cuda_default, monkeypatch):
