@@ -23,7 +23,7 @@ from adaloss.torch.modes import default  # noqa: E402
 from adaloss.torch.modes.default import DefaultMode, compiles_by_default  # noqa: E402
 from adaloss.torch.modes.eager import EagerMode  # noqa: E402
 
-from test_compiled_steps import _compare_with_eager, _Net  # noqa: E402
+from test_compiled_steps import _compare_with_eager, _float32_gradients, _Net  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,18 +90,26 @@ def test_the_cuda_default_compiles_a_few_shapes_then_runs_new_ones_eagerly(cuda_
     scaler, eager = LossScaler(model, "adaptive"), LossScaler(reference, "adaptive", compile=False)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
     gen = torch.Generator().manual_seed(1)
-    for step, batch in enumerate((4, 4, 6, 6)):
-        x, y = torch.randn(batch, 1, 6, 6, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    # Batches of 8 with an input that requires a gradient: the graph test_the_cuda_default_gives_the_eager_gradients
+    # compiled, which Inductor's cache serves again (suite time).
+    for step, batch in enumerate((8, 8, 6, 6)):
+        x = torch.randn(batch, 1, 6, 6, generator=gen).requires_grad_()
+        y = torch.randint(0, 10, (batch,), generator=gen)
         before = scaler.state.mode.steps if scaler.state.mode.name == "compiled" else 0
+        truth = _float32_gradients(reference, x, y)  # before this step's update
         if step == 2:  # the second graph, beyond the budget: said once
             with pytest.warns(RuntimeWarning, match="input shapes keep changing.*run eager steps"):
                 got = _step(model, scaler, x, y, optimizers[0])
         else:
             got = _step(model, scaler, x, y, optimizers[0])
         want = _step(reference, eager, x, y, optimizers[1])
-        assert scaler.state.mode.steps == before + (batch == 4)  # the new shape ran eagerly
-        for name, g in want.items():  # to fp16 rounding, relative to the largest value
-            assert ((got[name] - g).abs().max() / g.abs().max()).item() <= 1e-2, name
+        assert scaler.state.mode.steps == before + (batch == 8)  # the new shape ran eagerly
+        for name, g in want.items():  # to fp16 rounding: judged as test_compiled_steps does
+            apart = ((got[name] - g).abs().max() / g.abs().max()).item()
+            if apart > 1e-2:
+                off = {label: ((v - truth[name]).abs().max() / truth[name].abs().max()).item()
+                       for label, v in (("default", got[name]), ("eager", g))}
+                assert off["default"] <= max(1e-2, 2 * off["eager"]), (name, apart, off)
 
 
 def test_cuda_graphs_take_over_from_the_default(cuda_default):
@@ -109,7 +117,7 @@ def test_cuda_graphs_take_over_from_the_default(cuda_default):
     model = _Net()
     scaler = LossScaler(model, "adaptive")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-    _step(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)))
+    _step(model, scaler, torch.randn(8, 1, 6, 6).requires_grad_(), torch.randint(0, 10, (8,)))  # (a cached graph)
     assert scaler.state.mode.name == "compiled"
     # On this CPU the step is refused for its device only, after the mode was found acceptable (the cuda-marked
     # test below builds one on a GPU).

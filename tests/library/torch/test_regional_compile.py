@@ -21,17 +21,16 @@ from adaloss_cli.backends.torch.models import CifarResNet, MLP, build_model, res
 from adaloss_cli.config.schema import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LAYERS = 3
+LAYERS = 2
 
 
 def _gpt():
     torch.manual_seed(0)
-    return build_model(ModelConfig(name="gpt", width=32, layers=LAYERS, heads=2), (16,), 64)
+    return build_model(ModelConfig(name="gpt", width=16, layers=LAYERS, heads=2), (8,), 64)
 
 
 def test_the_pieces_are_the_repeated_blocks_and_what_holds_parameters_around_them():
-    assert [name for name, _ in regional_pieces(_gpt())] == ["tok", "blocks.0", "blocks.1", "blocks.2", "ln_f",
-                                                             "head"]
+    assert [name for name, _ in regional_pieces(_gpt())] == ["tok", "blocks.0", "blocks.1", "ln_f", "head"]
     resnet = [name for name, _ in regional_pieces(resnet50_torchvision_style(10, 3))]
     assert resnet[:3] == ["conv1", "bn1", "layer1.0"] and resnet[-1] == "fc" and len(resnet) == 3 + 16
     assert regional_pieces(MLP(16, [8, 8], 3)) is None  # layers, not blocks: compiled whole
@@ -53,7 +52,7 @@ def test_regional_steps_give_the_eager_gradients_and_compile_each_distinct_block
     gen = torch.Generator().manual_seed(1)
     hits = counters["inductor"]["fxgraph_cache_hit"]
     for step in range(2):
-        x, y = (torch.randint(0, 64, (4, 16), generator=gen) for _ in range(2))
+        x, y = (torch.randint(0, 64, (4, 8), generator=gen) for _ in range(2))
         grads = []
         for m, scaler, optimizer in ((model, regional, optimizers[0]), (eager_model, eager, optimizers[1])):
             optimizer.zero_grad(set_to_none=True)
@@ -69,10 +68,10 @@ def test_regional_steps_give_the_eager_gradients_and_compile_each_distinct_block
             assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() <= 1e-2, (step, name)
     mode = regional.state.mode
     assert mode.name == "compiled" and mode.steps == 2 * len(regional_pieces(model))
-    # Blocks 1 and 2 load the forward and backward Inductor compiled for block 0 (refresh steps: every step).
+    # Block 1 loads the forward and backward Inductor compiled for block 0 (refresh steps: every step).
     assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 2 * (LAYERS - 1)
     # Every point still gets a factor of its own, named by its path in the model.
-    assert any(name.startswith("blocks.2.") for name in regional.state.names)
+    assert any(name.startswith("blocks.1.") for name in regional.state.names)
 
 
 def test_regional_is_the_only_word_compile_takes():
