@@ -24,6 +24,8 @@ GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
 #: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
 COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith(("-compiled", "-regional")))
+#: ``adaptive-N-compiled``: ``compile=True``, on CUDA the same steps as the default ``adaptive-N``.
+ADAPTIVE_COMPILED = ("adaptive-1-compiled", "adaptive-100-compiled")
 #: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, compiled per repeated block.
 REGIONAL_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-regional"))
 #: The variants whose default configuration compiles on CUDA.

@@ -315,9 +315,10 @@ class TorchBackend(Backend):
 
 def _compile_notice(scaler: LossScaler, device: str) -> str | None:
     """What to tell the user before an adaptive run whose first steps compile (on CUDA by default)."""
-    from adaloss.torch.modes.default import DefaultMode
+    from adaloss.torch.modes.default import DefaultMode, compiles_by_default
     mode = scaler.state.mode if scaler.state is not None else None
-    if mode is None or not (mode.name == "compiled" or (isinstance(mode, DefaultMode) and device.startswith("cuda"))):
+    default_compiles = isinstance(mode, DefaultMode) and compiles_by_default(torch.device(device), warn=False)
+    if mode is None or not (mode.name == "compiled" or default_compiles):
         return None
     return ("Note: the adaptive steps are compiled by Inductor: the first steps take a minute or more (ResNet-50 "
             "several), later runs of the same model load the kernels from Inductor's cache "

@@ -36,15 +36,16 @@ class DefaultMode(EagerMode):
         return EagerMode()
 
 
-def compiles_by_default(device: torch.device) -> bool:
+def compiles_by_default(device: torch.device, warn: bool = True) -> bool:
     """Whether the default mode compiles on ``device``: a CUDA device where Inductor can generate its kernels
-    (Triton). Without Triton, a warning says why the steps are slower and how to silence it."""
+    (Triton). Without Triton, a warning (``warn``) says why the steps are slower and how to silence it."""
     if device.type != "cuda":
         return False
     from torch.utils._triton import has_triton
     if not has_triton():
-        warnings.warn("adaloss: Triton is not installed, so Inductor cannot compile the adaptive steps for CUDA; "
-                      "they run eagerly (correct, about 3x slower than compiled; pip install triton, or pass "
-                      "LossScaler(..., compile=False) to silence this)", RuntimeWarning, stacklevel=2)
+        if warn:
+                warnings.warn("adaloss: Triton is not installed, so Inductor cannot compile the adaptive steps for CUDA; "
+                          "they run eagerly (correct, about 3x slower than compiled; pip install triton, or "
+                          "pass LossScaler(..., compile=False) to silence this)", RuntimeWarning, stacklevel=2)
         return False
     return True

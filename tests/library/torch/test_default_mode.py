@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def cuda_default(monkeypatch):
     """The default mode decides as on a CUDA device with Triton."""
-    monkeypatch.setattr(default, "compiles_by_default", lambda device: True)
+    monkeypatch.setattr(default, "compiles_by_default", lambda device, warn=True: True)
 
 
 def _step(model, scaler, x, y, optimizer=None):
@@ -148,8 +148,14 @@ def test_cuda_the_default_compiles_and_gives_the_eager_gradients():
     assert step.captures >= 1 and all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_the_trainer_says_when_its_first_steps_compile():
+def test_the_trainer_says_when_its_first_steps_compile(monkeypatch):
     from adaloss_cli.backends.torch.adapter import _compile_notice
+    import torch.utils._triton as triton
+    monkeypatch.setattr(triton, "has_triton", lambda: False)  # CUDA without Triton: eager steps, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the warning comes once, when the model first runs)
+        assert _compile_notice(LossScaler(_Net(), "adaptive"), "cuda") is None
+    monkeypatch.setattr(triton, "has_triton", lambda: True)
     assert _compile_notice(LossScaler(_Net(), "adaptive"), "cpu") is None
     assert _compile_notice(LossScaler(_Net(), "adaptive", compile=False), "cuda") is None
     assert _compile_notice(LossScaler(_Net(), "dynamic"), "cuda") is None
