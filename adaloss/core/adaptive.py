@@ -276,8 +276,9 @@ def statistics_for(w: Any, opts: Any, axes: Any) -> WeightStatistics:
 
 
 def unbound_factor_with(ops: Float32Ops, gy: Any, ws: WeightStatistics, fan: int, opts: Any,
-                        headroom: float = 1.0, peak: Peak | None = None) -> Any:
-    """``headroom`` (0 < h <= 1) shrinks the top of the range to h * u_max: the overflow policy's back-off;
+                        headroom: Any = 1.0, peak: Peak | None = None) -> Any:
+    """``headroom`` (0 < h <= 1) shrinks the top of the range to h * u_max: the overflow policy's back-off (a
+    number, or a 0-d float32 value of ``ops``: a compiled refresh's input, see :meth:`~.array_ops.Float32Ops.const`);
     ``peak``: gy's :class:`Peak`, when the caller needs max |gy| too."""
     sops = ops.scalars
     if fan < 1:

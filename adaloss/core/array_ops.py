@@ -150,8 +150,11 @@ class HostScalars:
     def __init__(self) -> None:
         self._constants: dict[float, np.float32] = {}
 
-    def const(self, value: float) -> np.float32:
-        """``value`` as a float32 scalar (made once per value)."""
+    def const(self, value: Any) -> np.float32:
+        """``value`` as a float32 scalar (made once per value); see :meth:`Float32Ops.const` for a value that is not
+        a Python number."""
+        if not isinstance(value, (int, float)):
+            return np.float32(value)
         cached = self._constants.get(value)
         if cached is None:
             cached = self._constants[value] = np.float32(value)
@@ -244,9 +247,15 @@ class Float32Ops:
         self.host_scalars = scalars_on_host(arrays[0])
         self.scalars: Float32Ops | HostScalars = HOST if self.host_scalars else self
 
-    def const(self, value: float) -> Any:
+    def const(self, value: Any) -> Any:
         """A float32 scalar usable in arithmetic and in namespace functions alike (made once per device and value:
-        a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it."""
+        a fill per constant per layer per step was a large share of the adaptive overhead). Never mutate it.
+
+        ``value`` may also be a 0-d value of this namespace already, returned as float32: a compiled refresh takes
+        the headroom as an input (so that a back-off does not recompile it), and every top of the range computed
+        from it (``u_max * headroom / 2``, ...) is then a traced value rather than a number."""
+        if not isinstance(value, (int, float)):
+            return self.f32(value)
         cached = self._constants.get(value)
         if cached is None:
             cached = np.float32(value) if self.is_numpy else self.xp.full((), value, dtype=self.xp.float32,

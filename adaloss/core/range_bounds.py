@@ -147,16 +147,17 @@ def output_factor(g: Any, target_dtype: Any, opts: Any, headroom: float = 1.0, f
         return ops.from_scalar(output_factor_with(ops, g, target_dtype, opts, headroom, fold))
 
 
-def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: float,
+def output_factor_with(ops: Float32Ops, g: Any, target_dtype: Any, opts: Any, headroom: Any,
                        fold: Any = None) -> Any:
-    """:func:`output_factor` in the namespace ``ops`` of g (the caller is inside ``ops.quiet()``)."""
+    """:func:`output_factor` in the namespace ``ops`` of g (the caller is inside ``ops.quiet()``); ``headroom`` a
+    number or a 0-d float32 value of ``ops``, as for :func:`~.adaptive.unbound_factor_with`."""
     sops = ops.scalars
     c = sops.const
     if math.prod(g.shape) == 0:
         return c(1.0)
     target = opts.range_for(target_dtype)[1] * headroom / 2.0
     if fold is None and opts.accum_upper_bound is not None:
-        target /= opts.accum_upper_bound
+        target = target / opts.accum_upper_bound  # (not in place: a compiled refresh's headroom is a traced value)
     s = c(target) / abs_max_value(ops, g)
     if callable(fold):  # statistics of the guard's own (an attention's q, k, v): taken on refreshes only
         fold = fold(ops)

@@ -81,11 +81,12 @@ def _store(arrays: tuple, index: int, in_slot: int, values: tuple) -> tuple[Any,
 
 
 def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any, *, fan: int,
-                    axes: tuple[int, int] | None, x_axis: int, options: Any, headroom: float) -> tuple:
+                    axes: tuple[int, int] | None, x_axis: int, options: Any, headroom: Any) -> tuple:
     """The whole statistics-and-factor computation of one scale point on a refresh, as a pure function:
     (unbound, weight_unbound, factor, weight_factor, A * factor, A * weight_factor) from gy (scale ``accum``),
     the weight (or its statistics), the layer input (or its :func:`~.range_bounds.abs_sum_max`, or None) and the
-    output point's scale ``origin``. Written once for every backend; a backend may compile it as it is."""
+    output point's scale ``origin``. Written once for every backend; a backend may compile it as it is, with the
+    ``headroom`` a 0-d value of gy's namespace (an input of the compiled graph) instead of a number."""
     ops = ops_for(gy)
     sops = ops.scalars
     with ops.quiet():

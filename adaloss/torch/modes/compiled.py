@@ -7,7 +7,7 @@ on a GPU (docs/algorithm.md 4). Here each captured graph gets *static* copies of
 - steps between refreshes: the static points of ``static_points.py`` multiply by stored numbers, read from one
   vector of coefficients gathered once per refresh period;
 - refresh steps: the static points of ``compiled_refresh.py`` call the core's refresh functions on the traced
-  gradients, one compiled graph per headroom value.
+  gradients, with the loss scale and the headroom as inputs (one compiled graph, whatever values they take).
 
 Each static point computes what its eager counterpart computes, so compiled and eager steps agree up to Inductor's
 reduction order and its float32 intermediates. Steps that only recompute bounds (after a new loss scale), recorded
@@ -111,15 +111,16 @@ class CompiledSteps:
         self.layout: Layout | None = None
         self.coefficients: torch.Tensor | None = None
         self._generation = -1
-        #: Compiled refresh graphs by headroom: (compiled function, where its values go), or None after a failure.
-        self.refreshes: dict[float, Any] = {}
+        #: The compiled refresh graph: (compiled function, where its values go); None after a failure, () before
+        #: the first refresh.
+        self.refresh_entry: Any = ()
         self._failed = False
         mode.graphs.append(self)
 
     @property
     def compiled_any(self) -> bool:
         """Whether this graph has compiled (or tried to compile) its steps of either kind."""
-        return self._compiled is not None or self._failed or bool(self.refreshes)
+        return self._compiled is not None or self._failed or self.refresh_entry != ()
 
     def _compilable(self) -> bool:
         state = self.state
@@ -169,11 +170,11 @@ class CompiledSteps:
 
     def _refresh(self, args: tuple) -> Any:
         state = self.state
-        entry = self.refreshes.get(state.headroom, ())
+        entry = self.refresh_entry
         if entry == ():
             if not self.mode.may_compile(self):
                 return self.gm.forward(*args)
-            entry = self.refreshes[state.headroom] = self._compile_refresh(args)
+            entry = self.refresh_entry = self._compile_refresh(args)
         if entry is None:
             return self.gm.forward(*args)
         compiled, writes = entry
@@ -184,17 +185,18 @@ class CompiledSteps:
         return compiled(*args, loss_scale, sink)
 
     def _refresh_inputs(self, writes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss scale (what every table slot holds before backward writes it) and a fresh sink."""
+        """[loss scale (what every table slot holds before backward writes it), headroom] and a fresh sink."""
         state = self.state
-        loss_scale = torch.full((1,), state.loss_scale, dtype=torch.float32, device=state.device)
-        return loss_scale, torch.zeros(writes.size, device=state.device, requires_grad=True)
+        scalars = torch.full((2,), state.loss_scale, dtype=torch.float32, device=state.device)
+        scalars[1:].fill_(state.headroom)  # two fills: no copy from host memory, which would wait for the device
+        return scalars, torch.zeros(writes.size, device=state.device, requires_grad=True)
 
     def _compile_refresh(self, args: tuple) -> Any:
         from adaloss.core.array_ops import traced_scalars
 
         state = self.state
         dtype, pure = compute_dtype(state)
-        trace = new_trace(self.gm, state, self.plan, state.headroom)
+        trace = new_trace(self.gm, state, self.plan)
         static = static_graph(self.gm, ["adaloss_loss_scale", "adaloss_sink"], refresh_call(trace, dtype, pure),
                               begin=trace.begin)
         try:

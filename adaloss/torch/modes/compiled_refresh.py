@@ -15,8 +15,11 @@ into one graph. Two things an eager backward does through Python state become da
   each point's backward returns its values at its own positions of that gradient, autograd adds them up, and
   :meth:`ScaleState.settle` copies the sum into the state before anything reads it.
 
-The headroom (the overflow policy's back-off, a number the bounds use) is compiled in: each value it takes gets a
-graph of its own, compiled at its first refresh.
+The headroom (the overflow policy's back-off, a number every bound uses) is an input of the graph, beside the loss
+scale (``c = [loss scale, headroom]``): an overflow's back-off, and the growth back after it, run the graph already
+compiled. The core's factor math takes it as a traced 0-d value (:meth:`~adaloss.core.array_ops.Float32Ops.const`);
+eagerly it is a Python number, and both compute each top of the range in float32 from the same operands (exactly
+the same values for a power-of-two headroom, the overflow policy's default back-off and growth).
 """
 
 from __future__ import annotations
@@ -87,15 +90,16 @@ class RefreshWrites:
 
 class _Trace:
     """What the refresh points share while Inductor traces the backward: the table slots written so far (traced
-    0-d values), the loss scale and the sink's size. Reset by the graph's first node at every trace."""
+    0-d values), the sink's layout and the scale options. Reset by the graph's first node at every trace."""
 
-    def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan, headroom: float) -> None:
-        self.writes, self.options, self.headroom = writes, state.options, headroom
+    def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan) -> None:
+        self.writes, self.options = writes, state.options
         self.origin_slot = plan.origin_slot
         self.slots: dict[int, torch.Tensor] = {}
 
     def begin(self, c: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The graph's first node: (loss scale, sink), which every point takes, and a fresh set of slots."""
+        """The graph's first node: ([loss scale, headroom], sink), which every point takes, and a fresh set of
+        slots."""
         self.slots = {}
         return c, sink
 
@@ -103,6 +107,11 @@ class _Trace:
         """The accumulated scale of ``slot``: what a point below wrote, else the loss scale ``c[0]``."""
         found = self.slots.get(slot)
         return c[0] if found is None else found
+
+    @staticmethod
+    def headroom(c: torch.Tensor) -> torch.Tensor:
+        """The headroom of this refresh (0-d), which every bound's top of the range is multiplied by."""
+        return c[1]
 
     def write(self, slot: int, value: torch.Tensor) -> None:
         """A point's outgoing scale, for the points above it; the point also puts it in its sink gradient, for the
@@ -139,7 +148,7 @@ class _RefreshPoint(torch.autograd.Function):
         with autocast_off(gy.device.type):  # (the trace may run inside the forward's autocast region)
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
                 gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
-                x_axis=point.x_axis, options=options, headroom=trace.headroom)
+                x_axis=point.x_axis, options=options, headroom=trace.headroom(c))
         trace.write(point.in_slot, in_scale)
         grads = point_gradients(ctx, gy, needs, factor, weight_factor, weight_scale, accum)
         base = trace.writes.point_base[point.index]
@@ -176,9 +185,9 @@ class _RefreshMerge(torch.autograd.Function):
             sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale)])
         elif present:
             tensors = [grads[i] for i in present]
-            limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom
+            limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom(c)
             if rule_of(trace.options).shares_branch_range:
-                limit /= len(tensors)
+                limit = limit / len(tensors)
             scales = [trace.read(c, point.out_slots[i]) for i in present]
             with autocast_off(tensors[0].device.type):
                 common, multipliers = branch_common_scale_with(ops_for(tensors[0]), tensors, scales, limit)
@@ -208,7 +217,7 @@ class _RefreshOutput(torch.autograd.Function):
         c, *operands = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         with autocast_off(g.device.type):
-            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom,
+            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom(c),
                                         point.fold_for(g, tuple(operands)))
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
@@ -274,9 +283,9 @@ def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callab
     return make
 
 
-def new_trace(gm: Any, state: ScaleState, plan: GraphPlan, headroom: float) -> _Trace:
+def new_trace(gm: Any, state: ScaleState, plan: GraphPlan) -> _Trace:
     """The writes layout and trace context of ``gm``'s refresh graph."""
     adaloss = gm.adaloss
     writes = RefreshWrites(plan, [p.index for p in adaloss.points],
                            [m.name for m in list(adaloss.outputs) + list(adaloss.branches)])
-    return _Trace(writes, state, plan, headroom)
+    return _Trace(writes, state, plan)

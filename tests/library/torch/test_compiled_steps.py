@@ -168,11 +168,13 @@ def _check_coefficients(state, graph, expected: int):
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
                         period: int = 2, net: type = _Net, forbid_reads: bool = False,
-                        compile: bool | None = True) -> LossScaler:
+                        compile: bool | None = True, overflow_at: int | None = None) -> LossScaler:
     """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
     weights through the eager step too and compare every gradient, and after a refresh everything it stored.
     ``forbid_reads``: once the first ``period`` steps compiled, the compiled steps' forward and backward must read
-    no device value (see :func:`_reads_forbidden`)."""
+    no device value (see :func:`_reads_forbidden`). ``overflow_at``: that step's batch holds an inf, so that the
+    step is skipped and the headroom backs off (the steps after it must store the eager factors at the new
+    headroom)."""
     torch.manual_seed(0)
     model = net().to(device)
     scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=period)
@@ -188,11 +190,19 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
         # The input requires a gradient, which leaves through the input point at the loss's scale.
         x = (torch.randn(8, 1, 6, 6, generator=gen) * 8.0 ** (step // 2)).to(device).requires_grad_()
         y = torch.randint(0, 10, (8,), generator=gen).to(device)
+        if step == overflow_at:
+            x = x.detach().index_fill(0, torch.tensor([0], device=device), float("inf")).requires_grad_()
         refresh, reuse = state.refresh, state.reuse
         before = getattr(state.mode, "steps", 0)  # (the default mode is chosen at the first forward)
         with _reads_forbidden(device) if forbid_reads and step >= period else nullcontext():
             compiled = _gradients(model, scaler, x, y, autocast_dtype, pure)
         state.settle()
+        if step == overflow_at:
+            headroom = scaler.policy.headroom
+            scaler.step(optimizer)
+            scaler.update()
+            assert scaler.found_overflow and scaler.policy.headroom == headroom / 2
+            continue
         # Compiled exactly on refresh steps and steps between refreshes (after an overflow's back-off a step only
         # recomputes its bounds, eagerly).
         assert state.mode.steps == before + (refresh or reuse)
@@ -251,11 +261,19 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
     return scaler
 
 
-def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32():
+def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monkeypatch):
     # Refreshes only (one compiled graph, for the suite's time): the steps between refreshes are compared in fp16.
-    # With a head the loss ignores (see _TwoHeads).
-    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=3, period=1, net=_TwoHeads)
+    # With a head the loss ignores (see _TwoHeads), and an overflow in the second step: the headroom is an input of
+    # the refresh graph, so the steps after the back-off run the same graph and must store the eager factors at
+    # the new headroom (half the old ones: a graph that kept the old headroom would store twice the eager factors).
+    from adaloss.torch.modes import compiled
+
+    compiles = []
+    compile_static = compiled.compile_static
+    monkeypatch.setattr(compiled, "compile_static", lambda *args: compiles.append(1) or compile_static(*args))
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=4, period=1, net=_TwoHeads, overflow_at=1)
     assert len(scaler.state.names) == 5  # stem, two convs, fc and aux are scale points
+    assert scaler.policy.headroom == 0.5 and len(compiles) == 1
 
 
 def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
