@@ -35,7 +35,8 @@ from adaloss.core.scale_steps import branch_scale_step, output_scale_step
 from .accumulation import AccumulationFold
 from .scale_state import Execution, GraphPlan, ScaleState
 
-__all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "compute_dtype", "multiply"]
+__all__ = ["Begin", "BranchPoint", "InputPoint", "OutputPoint", "ParamUse", "compute_dtype", "multiply",
+           "output_target"]
 
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -248,11 +249,24 @@ class BranchPoint(nn.Module):
         return f"{self.name}: {kind} of {self.fan_out}, slots {self.out_slots}->{self.in_slot}"
 
 
+def output_target(dtype: torch.dtype, compute: torch.dtype | None) -> torch.dtype:
+    """The dtype whose range an output point's factor fills, for a value of ``dtype`` in a graph computing in
+    ``compute`` (None: no low precision): the value's own when it is low precision (its gradient is cast to it
+    there), else the compute dtype. A float32 value of a mixed-precision graph (a piece's output, where its input
+    arrived in float32 and a residual sum promoted; a model output computed in float32) hands its gradient on to
+    low-precision operations further down, which a gradient filling float32's range would overflow; in float32 a
+    gradient scaled for fp16's range loses nothing."""
+    if dtype in (torch.float16, torch.bfloat16) or compute is None:
+        return dtype
+    return compute
+
+
 class _Output(torch.autograd.Function):
     @staticmethod
     def forward(ctx, point: "OutputPoint", execution: Execution, y: torch.Tensor,
                 *operands: torch.Tensor) -> torch.Tensor:
         ctx.point, ctx.execution, ctx.dtype = point, execution, y.dtype
+        ctx.target = output_target(y.dtype, execution.compute_dtype)
         ctx.save_for_backward(*operands)
         return point.passed(y)
 
@@ -263,7 +277,7 @@ class _Output(torch.autograd.Function):
         if execution.reference_pass:
             return None, None, g.to(ctx.dtype), *unused
         execution.started_backward()
-        factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.dtype,
+        factor = output_scale_step(execution, point.in_slot, point.out_slot, g, ctx.target,
                                    execution.cache_view(point.name), point.fold_for(g, ctx.saved_tensors))
         scaled = multiply(g, factor)
         cast = scaled.to(ctx.dtype)

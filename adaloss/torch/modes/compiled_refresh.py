@@ -36,7 +36,8 @@ from adaloss.core.range_bounds import output_factor_with
 from adaloss.core.scale_steps import refresh_factors
 
 from adaloss.torch.points import ScalePoint, autocast_off
-from adaloss.torch.scale_ops import BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to, times
+from adaloss.torch.scale_ops import (BranchPoint, InputPoint, OutputPoint, ParamUse, cast_to, divide_to,
+                                     output_target, times)
 from adaloss.torch.scale_state import Execution, GraphPlan, ScaleState
 
 from .static_points import point_forward, point_gradients
@@ -206,10 +207,11 @@ class _RefreshMerge(torch.autograd.Function):
 
 class _RefreshOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, point: OutputPoint, trace: _Trace, c: torch.Tensor, sink: torch.Tensor,
-                y: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, point: OutputPoint, trace: _Trace, compute: torch.dtype | None, c: torch.Tensor,
+                sink: torch.Tensor, y: torch.Tensor, *operands: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(c, *operands)
         ctx.point, ctx.trace, ctx.dtype = point, trace, y.dtype
+        ctx.target = output_target(y.dtype, compute)
         return point.passed(y)
 
     @staticmethod
@@ -217,13 +219,13 @@ class _RefreshOutput(torch.autograd.Function):
         c, *operands = ctx.saved_tensors
         point, trace = ctx.point, ctx.trace
         with autocast_off(g.device.type):
-            factor = output_factor_with(ops_for(g), g, ctx.dtype, trace.options, trace.headroom(c),
+            factor = output_factor_with(ops_for(g), g, ctx.target, trace.options, trace.headroom(c),
                                         point.fold_for(g, tuple(operands)))
         scale = trace.read(c, point.out_slot) * factor
         trace.write(point.in_slot, scale)
         sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
                                     (trace.writes.cache_base[point.name], factor)])
-        return None, None, None, sink, times(g, factor).to(ctx.dtype), *(None for _ in operands)
+        return None, None, None, None, sink, times(g, factor).to(ctx.dtype), *(None for _ in operands)
 
 
 class _RefreshParamUse(torch.autograd.Function):
@@ -274,7 +276,7 @@ def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callab
         if isinstance(module, BranchPoint):
             return lambda shared, *xs: _RefreshMerge.apply(module, trace, *shared, *xs)
         if isinstance(module, OutputPoint):
-            return lambda shared, y, *operands: _RefreshOutput.apply(module, trace, *shared, y, *operands)
+            return lambda shared, y, *operands: _RefreshOutput.apply(module, trace, dtype, *shared, y, *operands)
         if isinstance(module, InputPoint):
             cast = dtype if pure else None
             return lambda shared, x: _RefreshInput.apply(module, trace, cast, shared[0], x)

@@ -95,6 +95,69 @@ def test_regional_steps_give_the_eager_gradients_and_compile_each_distinct_block
     assert any(name.startswith("2.") for name in regional.state.names)
 
 
+class _ConvBlock(torch.nn.Module):
+    """A ResNet basic block whose residual sum is in place, as torchvision's: its input arrives in float32 (a
+    piece's output leaves it in float32), so under autocast the sum of the fp16 branch and the input is float32
+    when compiled, though Dynamo's example value (the eager in-place result) says fp16."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.conv2 = torch.nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        out += x
+        return F.relu(out)
+
+
+def test_a_blocks_float32_output_hands_back_a_gradient_scaled_for_fp16():
+    # A block's output point fills the range of the low precision its gradient meets below, not float32's: a
+    # float32 output once took a factor of 2**85 (float32's range), and every step overflowed in the fp16 branch.
+    # What is left: the block's output point fills fp16's range as the model's output does, and batch norm's
+    # backward (in fp16, between it and the first scale point) may amplify that beyond the range on the first step,
+    # which is skipped and backs off the headroom once, as a dynamic scaler's first steps do.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), _ConvBlock(4), _ConvBlock(4),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 10))
+    assert [name for name, _ in regional_pieces(model)] == ["0", "1", "2", "5"]
+    eager_model, float32_model = copy.deepcopy(model), copy.deepcopy(model)
+    regional = LossScaler(model, "adaptive", compile="regional")
+    eager = LossScaler(eager_model, "adaptive", compile=False)
+    # lr 0: a skipped step must not leave the models on different weights
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (model, eager_model)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(8, 1, 6, 6, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        grads = []
+        for m, scaler, optimizer in ((model, regional, optimizers[0]), (eager_model, eager, optimizers[1])):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(m(x).float(), y)
+            scaler.scale(loss).backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+            scaler.step(optimizer)
+            scaler.update()
+        # The blocks' output factors bring gradients of about 1e-2 to fp16's top (2**21 or so), not float32's.
+        for block in ("1", "2"):
+            assert 1.0 <= regional.state.cache(f"{block}.output").item() <= 2.0 ** 30, (step, block)
+        if step == 0:
+            continue
+        # The judge is the float32 gradient: the regional steps keep the residual stream in float32 between blocks
+        # where the eager steps round it to fp16, so the two differ by more than fp16 rounding (8% on the stem).
+        float32_model.zero_grad(set_to_none=True)
+        F.cross_entropy(float32_model(x), y).backward()
+        for name, p in float32_model.named_parameters():
+            a, b = grads[0][name], grads[1][name]
+            assert torch.isfinite(a).all(), (step, name)
+            off = [((g - p.grad).abs().max() / p.grad.abs().max()).item() for g in (a, b)]
+            assert off[0] <= max(1e-2, 2 * off[1]), (step, name, off)
+    assert regional.policy.skipped_steps <= 1 and eager.policy.skipped_steps == 0
+    assert regional.state.mode.name == "compiled"
+
+
 def test_regional_is_the_only_word_compile_takes():
     with pytest.raises(ValueError, match="compile='per-block'.*'regional'"):
         LossScaler(_gpt(), "adaptive", compile="per-block")
