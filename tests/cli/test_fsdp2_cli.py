@@ -46,11 +46,15 @@ def fsdp2_config(folder: Path, distributed: str = "fsdp2", dtype: str = "float16
     return path
 
 
-def train(config: Path, out: Path, *extra: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
+def _train_command(config: Path, out: Path, *extra: str, nproc: int | None = 2) -> list[str]:
     launch = ["--nproc-per-node", str(nproc)] if nproc else []
-    return subprocess.run([sys.executable, "-m", "adaloss_cli", "train", "--config", str(config), "--out", str(out),
-                           "--quiet", *launch, *extra], env=dist_env(), capture_output=True, text=True, timeout=300,
-                          cwd=out.parent)
+    return [sys.executable, "-m", "adaloss_cli", "train", "--config", str(config), "--out", str(out), "--quiet",
+            *launch, *extra]
+
+
+def train(config: Path, out: Path, *extra: str, nproc: int | None = 2) -> subprocess.CompletedProcess:
+    return subprocess.run(_train_command(config, out, *extra, nproc=nproc), env=dist_env(), capture_output=True,
+                          text=True, timeout=300, cwd=out.parent)
 
 
 def model_of(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -72,10 +76,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 "fsdp2-adaptive": (fsdp2_config(folder, method="adaptive"), 2),
                 "ddp-adaptive": (fsdp2_config(folder, "ddp", method="adaptive"), 2),
                 "fsdp2-pure": (fsdp2_config(folder, mode="pure"), 2)}
+    # All at once (each launcher picks a free port): most of each run is starting Python and torch, which the
+    # runs overlap (suite time).
+    started = {name: subprocess.Popen(_train_command(config, folder / name, nproc=nproc), env=dist_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder)
+               for name, (config, nproc) in launches.items()}
     done = {}
-    for name, (config, nproc) in launches.items():
-        proc = train(config, folder / name, nproc=nproc)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, proc in started.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, stdout[-3000:] + stderr[-3000:])
         done[name] = folder / name
     done["config"] = launches["fsdp2"][0]
     return done
