@@ -261,19 +261,20 @@ class ScaleState(ScaleSchedule):
         return Execution(self, plan, table)
 
     def expect_refresh(self, execution: "Execution", sink: torch.Tensor, writes: Any,
-                       loss_scale: torch.Tensor) -> None:
+                       scalars: torch.Tensor) -> None:
         """A compiled refresh step ran forward (``compiled_refresh.py``): once its backward has run, the gradient of
-        ``sink`` holds what the refresh stores, and :meth:`settle` copies it in (``writes`` says where)."""
-        self._pending.append((execution, sink, writes, loss_scale))
+        ``sink`` holds what the refresh stores, and :meth:`settle` copies it in (``writes`` says where;
+        ``scalars``: the graph's [loss scale, headroom], whose loss scale fills the table slots it did not write)."""
+        self._pending.append((execution, sink, writes, scalars))
 
     def settle(self) -> None:
         """Store what compiled refresh steps computed in their backward (the factors, caches and ``execution``'s
         table); an execution whose backward did not run stores nothing, as an eager one. Called before anything
         reads the state after a backward."""
         pending, self._pending = self._pending, []
-        for execution, sink, writes, loss_scale in pending:
+        for execution, sink, writes, scalars in pending:
             if sink.grad is not None:
-                writes.store(self, execution, sink.grad, loss_scale[0])
+                writes.store(self, execution, sink.grad, scalars[0])
                 self.ran_backward(execution)
 
     def ran_backward(self, execution: "Execution") -> None:

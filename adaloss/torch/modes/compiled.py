@@ -179,10 +179,10 @@ class CompiledSteps:
             return self.gm.forward(*args)
         compiled, writes = entry
         execution = state.begin(self.plan)
-        loss_scale, sink = self._refresh_inputs(writes)
-        state.expect_refresh(execution, sink, writes, loss_scale)
+        scalars, sink = self._refresh_inputs(writes)
+        state.expect_refresh(execution, sink, writes, scalars)
         self.mode.steps += 1
-        return compiled(*args, loss_scale, sink)
+        return compiled(*args, scalars, sink)
 
     def _refresh_inputs(self, writes: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """[loss scale (what every table slot holds before backward writes it), headroom] and a fresh sink."""
@@ -197,7 +197,7 @@ class CompiledSteps:
         state = self.state
         dtype, pure = compute_dtype(state)
         trace = new_trace(self.gm, state, self.plan)
-        static = static_graph(self.gm, ["adaloss_loss_scale", "adaloss_sink"], refresh_call(trace, dtype, pure),
+        static = static_graph(self.gm, ["adaloss_scalars", "adaloss_sink"], refresh_call(trace, dtype, pure),
                               begin=trace.begin)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
