@@ -18,8 +18,9 @@ into one graph. Two things an eager backward does through Python state become da
 The headroom (the overflow policy's back-off, a number every bound uses) is an input of the graph, beside the loss
 scale (``c = [loss scale, headroom]``): an overflow's back-off, and the growth back after it, run the graph already
 compiled. The core's factor math takes it as a traced 0-d value (:meth:`~adaloss.core.array_ops.Float32Ops.const`);
-eagerly it is a Python number, and both compute each top of the range in float32 from the same operands (exactly
-the same values for a power-of-two headroom, the overflow policy's default back-off and growth).
+eagerly it is a Python number. A top of the range such as u_max * h / fan is then rounded to float32 once from
+float64 eagerly and computed in float32 here: for a power-of-two headroom (the overflow policy's default back-off
+and growth) the product is exact either way, and the quotients differ at most by a double rounding's last bit.
 """
 
 from __future__ import annotations
