@@ -82,10 +82,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder)
                for name, (config, nproc) in launches.items()}
     done = {}
-    for name, proc in started.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (name, stdout[-3000:] + stderr[-3000:])
-        done[name] = folder / name
+    try:
+        for name, proc in started.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, (name, stdout[-3000:] + stderr[-3000:])
+            done[name] = folder / name
+    finally:  # a failed or hung run must not leave the others running past the test
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     done["config"] = launches["fsdp2"][0]
     return done
 
