@@ -216,15 +216,19 @@ def _source_state() -> str | None:
 
 # -- command line -----------------------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def model_choices() -> list[str]:
+    """The models the torch benchmarks build: the app's (less the ViT) and torchvision's ResNet-50 layout."""
     from adaloss_cli.backends.torch.models import MODEL_BUILDERS
+    return sorted(set(MODEL_BUILDERS) - {"vit"}) + ["resnet50"]
 
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Step time and peak memory of adaptive (update_per_n_iteration 1 and 100) and dynamic loss "
                     "scaling against torch.amp.GradScaler, side by side on the same model, weights, data and "
                     "precision.")
-    parser.add_argument("--models", nargs="+", default=None, choices=sorted(set(MODEL_BUILDERS) - {"vit"}) + ["resnet50"],
+    parser.add_argument("--models", nargs="+", default=None, choices=model_choices(),
                         help="models to benchmark (default: mlp resnet20 on cpu; resnet50 gpt resnet20 mlp on cuda, "
                              "resnet50 being torchvision's layout at 224x224 and gpt nanoGPT's 6-block, width-384 "
                              "character model at 256 tokens)")
@@ -254,11 +258,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-jobs", type=int, default=None,
                         help="memory subprocesses at a time (default: CPU count on cpu, 1 on cuda)")
     parser.add_argument("--launches", action="store_true",
-                        help="also count ATen operations and kernel launches per step on the CUDA code path, on CPU "
-                             "tensors (compiled variants: each kernel Inductor generated counts as one), and on cpu "
-                             "time the eager variants' steps on that path at --quick sizes, where the host's Python "
-                             "and dispatch dominate (GPU-cost proxies measurable anywhere; see benchmarks.launches); "
-                             "on cuda also the CUDA kernels each variant runs and the GPU's busy time")
+                        help="on cpu: GPU-cost proxies. ATen operations and kernel launches per step on the CUDA "
+                             "code path, on CPU tensors; the eager variants' step time on that path at --quick "
+                             "sizes, where the host's Python and dispatch dominate (see benchmarks.launches); for "
+                             "the compiled variants the bytes Inductor's kernels move and, with the triton package "
+                             "installed, the Triton kernels each step launches (benchmarks.triton_kernels, the "
+                             "proxy that predicts their GPU time). On cuda: the CUDA kernels each variant runs and "
+                             "the GPU's busy time")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler's top operators for each variant")
     parser.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
@@ -350,28 +356,29 @@ def main(argv: list[str] | None = None) -> int:
                                          "step_peak_bytes": peaks, "runs": runs, "raw_step_seconds": times}
         if args.launches:
             from benchmarks.launches import count_cuda_kernels, count_variants, host_times, report, report_cuda
-            if kind == "cuda":
+            if kind == "cuda":  # the real kernels: the CPU proxies below would only spend the GPU's scarce time
                 kernels = count_cuda_kernels(runners, batches)
                 report_cuda(model_name, kernels)
                 results["models"][model_name]["cuda_kernels"] = kernels
-            eager = [name for name in args.variants if name not in GRAPH_VARIANTS + COMPILED_VARIANTS]
-            # The compiled variants are counted on CPU only: on a GPU their real kernels are counted above, and
-            # counting them here would compile each once more, for the CPU, in the GPU's scarce time.
-            counted = eager if kind == "cuda" else [name for name in args.variants if name not in GRAPH_VARIANTS]
-            counts = count_variants(work, counted, args.dtype)
-            host = None
-            if kind != "cuda":  # (on a GPU the eager ratios themselves are measured; its time is scarce)
+            else:
+                eager = [name for name in args.variants if name not in GRAPH_VARIANTS + COMPILED_VARIANTS]
+                counts = count_variants(work, [name for name in args.variants if name not in GRAPH_VARIANTS],
+                                        args.dtype)
                 tiny = replace(workload_for(model_name, "cpu", True), warmup=3, steps=15, repeats=2)
                 host = host_times(tiny, eager, args.dtype, time_variants, summarise_times)
                 results["models"][model_name]["host_ms"] = host
-            report(model_name, counts, REFERENCE, host)
-            results["models"][model_name]["launches"] = counts
+                report(model_name, counts, REFERENCE, host)
+                results["models"][model_name]["launches"] = counts
             compiled = [name for name in args.variants if name in COMPILED_VARIANTS]
             if compiled and kind != "cuda":  # each compiles once more, afresh: where the GPU's time is not spent
                 from benchmarks.launches import compiled_bytes, report_compiled_bytes
                 moved = compiled_bytes(work, compiled, args.dtype)
                 report_compiled_bytes(model_name, moved, COMPILED_REFERENCE)
                 results["models"][model_name]["compiled_bytes"] = moved
+                from benchmarks.triton_kernels import triton_available
+                if triton_available():  # its own process: Triton's interpreter is chosen when Triton loads
+                    subprocess.call([sys.executable, "-m", "benchmarks.triton_kernels", "--models", model_name,
+                                     "--variants", *compiled])
         results["checks"].extend(checks)
         if args.json:  # after every model: a run cut short keeps the models it finished
             _write_json(results, args.json)

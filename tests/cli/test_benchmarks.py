@@ -205,3 +205,37 @@ def test_on_cuda_the_default_adaptive_configuration_is_held_to_issue_30s_goals(c
     on_cpu = {c["goal"]: c for c in report_model(workload_for("resnet20", "cpu", True), "cpu", "float16", timing,
                                                   {}, {})}
     assert on_cpu["adaptive-1/gradscaler step time"]["limit"] == 1.10 and not any("first steps" in g for g in on_cpu)
+
+
+def _triton_available() -> bool:
+    from benchmarks.triton_kernels import triton_available
+    return triton_available()
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
+def test_triton_kernel_proxy_counts_the_launches_that_combo_kernels_save():
+    """The GPU-cost proxy of compiled steps: Inductor's Triton kernels, run by Triton's interpreter on CPU. A
+    refresh launches more kernels than a step between refreshes, and the compiled steps' Inductor options (combo
+    kernels) launch fewer than Inductor's defaults, for the same parameters."""
+    script = """
+import json, sys, torch
+import adaloss.torch.modes.compiled as compiled
+from benchmarks import triton_kernels
+sys.argv = ["x"]
+found = {}
+for label, options in (("combo", dict(compiled.INDUCTOR_OPTIONS)), ("plain", {})):
+    compiled.INDUCTOR_OPTIONS = options
+    counts, models = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], keep_models=True)
+    found[label] = counts["adaptive-100-compiled"]
+    found[label + "_parameters"] = [p.tolist() for p in models["adaptive-100-compiled"].parameters()]
+print(json.dumps(found))
+"""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    combo, plain = found["combo"], found["plain"]
+    assert combo["refresh"] > combo["steady"] > 0
+    assert combo["refresh"] < plain["refresh"] and combo["steady"] < plain["steady"]
+    assert found["combo_parameters"] == found["plain_parameters"]

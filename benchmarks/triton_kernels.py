@@ -1,0 +1,168 @@
+"""Triton kernels per compiled step, counted on CPU: the GPU-cost proxy of the compiled variants.
+
+On a GPU a compiled step costs about as much per kernel launched as per byte moved. On the H200 (nanoGPT 6x384,
+batch 64x256, ``.ci/gpu-check``), compiled adaptive took 1.91x compiled GradScaler's step time on refresh steps and
+1.11x between refreshes, while this count at the ``--quick`` size gives 1.91x and 1.11x its Triton kernels; the
+bytes Inductor's C++ kernels move (``benchmarks.launches.compiled_bytes``) gave 1.51x and 1.22x, and the C++
+kernels run (``--launches``' ``generated``) 1.04x: Inductor's C++ backend fuses whole loop nests into one function,
+its Triton backend does not.
+
+How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
+the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
+(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Three adjustments, all
+inside this process, make a CPU-only machine do it: a constant Triton backend hash (there is no GPU driver to ask),
+``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), and CPU kernels
+admitted to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
+``INDUCTOR_OPTIONS``). Kernel *launches* are counted (a kernel run twice counts twice), per step.
+
+Needs the ``triton`` package (``pip install triton``: no GPU needed) and minutes per model (the interpreter is slow:
+use the ``--quick`` sizes, the default). ``python -m benchmarks.triton_kernels [--models gpt] [--variants ...]``
+re-runs itself with ``TRITON_INTERPRET=1`` set, which Triton reads when it loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+from typing import Any
+
+#: The compiled variants counted by default, and the reference of the ratios.
+DEFAULT_VARIANTS = ("gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled")
+REFERENCE = "gradscaler-compiled"
+#: Steps run per variant: a refresh's count is the first step's (adaptive), a steady step's the last one's (the
+#: steps between refreshes of adaptive-N compile at the second step).
+STEPS = 3
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported here (the count needs it, not a GPU)."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+_LAUNCHES: list[int] = []
+
+
+def _prepare_interpreter() -> list[int]:
+    """The three adjustments of the module docstring, once per process; returns the launch counter (one element,
+    reset by the caller), which every Triton kernel Inductor runs increments."""
+    if _LAUNCHES:
+        return _LAUNCHES
+    import inspect
+    import textwrap
+
+    import torch.utils._triton as torch_triton
+    import triton.language as tl
+    from torch._inductor import scheduler
+    from torch._inductor.runtime import triton_helpers, triton_heuristics
+
+    torch_triton.triton_hash_with_backend = lambda: "0" * 64  # no GPU driver to hash
+
+    class _Libdevice:
+        """``libdevice`` for the interpreter: ``tl.math``'s function of that name, looked up at each call (the
+        interpreter replaces them while a kernel runs)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tl.math, name)
+
+    triton_helpers.libdevice = _Libdevice()
+
+    # Inductor's own grouping of independent kernels into combo kernels, with CPU kernels admitted like a GPU's.
+    grouping = scheduler.ForeachKernelSchedulerNode._default_group_nodes_for_combo_kernels
+    source = textwrap.dedent(inspect.getsource(grouping)).replace("@staticmethod\n", "")
+    if 'device.type == "cpu"' not in source:
+        raise RuntimeError("this torch's combo-kernel grouping changed: adapt benchmarks/triton_kernels.py")
+    namespace = dict(vars(scheduler))
+    exec(source.replace('device.type == "cpu"', "False"), namespace)  # noqa: S102 (torch's own source)
+    scheduler.ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(namespace[grouping.__name__])
+
+    _LAUNCHES.append(0)
+    run = triton_heuristics.CachingAutotuner.run
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _LAUNCHES[0] += 1
+        return run(self, *args, **kwargs)
+
+    triton_heuristics.CachingAutotuner.run = counted
+    return _LAUNCHES
+
+
+def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False) -> Any:
+    """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
+    steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``).
+    ``keep_models``: also return each variant's model after those steps, (counts, models)."""
+    import torch
+    from torch._inductor import config
+
+    from benchmarks.workloads import Runner, build_initial, workload_for
+
+    launches = _prepare_interpreter()
+    work = workload_for(model, "cpu", quick)
+    initial, batches = build_initial(work, "cpu")
+    found, models = {}, {}
+    for name in variants:
+        torch._dynamo.reset()
+        with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
+            runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
+            counts = []
+            for k in range(STEPS):
+                launches[0] = 0
+                runner.step(*batches[k % len(batches)])
+                counts.append(launches[0])
+        found[name] = {"refresh": counts[0], "steady": counts[-1]}
+        models[name] = runner.model
+    return (found, models) if keep_models else found
+
+
+def report(model: str, found: dict[str, dict[str, int]]) -> None:
+    """Print :func:`count_kernels`' table with ratios to compiled GradScaler."""
+    base = found.get(REFERENCE, {}).get("steady")
+    print(f"\n{model}: Triton kernels launched per compiled step (Inductor's Triton backend, run by Triton's "
+          "interpreter on CPU)")
+    print(f"  {'variant':<24} {'refresh':>8} {'x ' + REFERENCE:>22} {'steady':>8} {'x ' + REFERENCE:>22}")
+    for name, row in found.items():
+        cells = ""
+        for kind in ("refresh", "steady"):
+            ratio = f"{row[kind] / base:.2f}" if base else "-"
+            cells += f" {row[kind]:>8d} {ratio:>22}"
+        print(f"  {name:<24}{cells}")
+    print("  refresh: the first step (adaptive: a refresh); steady: the last of "
+          f"{STEPS} (adaptive-N: a step between refreshes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.step_time import model_choices
+    from benchmarks.workloads import VARIANTS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt"], choices=model_choices(),
+                        help="models to count (default: gpt)")
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                        choices=[v for v in VARIANTS if v.endswith(("-compiled", "-regional"))],
+                        help=f"compiled variants (default: {' '.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--full", action="store_true", help="the CPU benchmark's sizes instead of --quick's "
+                        "(the interpreter takes many minutes)")
+    args = parser.parse_args(argv)
+    if not triton_available():
+        print("python -m benchmarks.triton_kernels: needs the triton package (pip install triton; no GPU needed)",
+              file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when it loads: run again with it set
+        command = [sys.executable, "-m", "benchmarks.triton_kernels", *(argv if argv is not None else sys.argv[1:])]
+        return subprocess.call(command, env={**os.environ, "TRITON_INTERPRET": "1"})
+    import warnings
+
+    import torch
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # the interpreter's NumPy warnings, Inductor's "no CPU backend" one
+    variants = [REFERENCE] + [v for v in args.variants if v != REFERENCE]
+    for model in args.models:
+        report(model, count_kernels(model, variants, quick=not args.full))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
