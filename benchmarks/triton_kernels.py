@@ -1,6 +1,6 @@
 """Triton kernels per compiled step, counted on CPU: the GPU-cost proxy of the compiled variants.
 
-On a GPU a compiled step costs about as much per kernel launched as per byte moved. On the H200 (nanoGPT 6x384,
+On a GPU a compiled step's time follows the kernels it launches, not the bytes they move. On the H200 (nanoGPT 6x384,
 batch 64x256, ``.ci/gpu-check``), compiled adaptive took 1.91x compiled GradScaler's step time on refresh steps and
 1.11x between refreshes, while this count at the ``--quick`` size gives 1.91x and 1.11x its Triton kernels; the
 bytes Inductor's C++ kernels move (``benchmarks.launches.compiled_bytes``) gave 1.51x and 1.22x, and the C++

@@ -82,10 +82,10 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: Inductor options of the compiled steps. ``combo_kernels``: kernels that do not depend on each other share one
 #: launch (Inductor's horizontal fusion, GPU only). A refresh adds small kernels that Inductor cannot fuse
 #: vertically (each layer's weight statistics, the reductions its factors need before the products that use them),
-#: and a compiled step on a GPU costs about as much per kernel launched as per byte moved: on the H200 the GPT's
-#: refresh step took 1.91x compiled GradScaler's time with 1.91x its Triton kernels, the step between refreshes
-#: 1.11x with 1.11x. Combo kernels cut those kernels by 37-38% (counted on CPU with Triton's interpreter:
-#: ``python -m benchmarks.triton_kernels``), with the same values bit for bit.
+#: and a compiled step's time on a GPU follows the kernels it launches: on the H200 the GPT's refresh step took
+#: 1.91x compiled GradScaler's time with 1.91x its Triton kernels, the step between refreshes 1.11x with 1.11x.
+#: Combo kernels cut those kernels by 37-38% (counted on CPU with Triton's interpreter: ``python -m
+#: benchmarks.triton_kernels``), with the same values bit for bit.
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
