@@ -84,7 +84,7 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: vertically (each layer's weight statistics, the reductions its factors need before the products that use them),
 #: and a compiled step's time on a GPU follows the kernels it launches: on the H200 the GPT's refresh step took
 #: 1.91x compiled GradScaler's time with 1.91x its Triton kernels, the step between refreshes 1.11x with 1.11x.
-#: Combo kernels cut those kernels by 37-38% (counted on CPU with Triton's interpreter: ``python -m
+#: Combo kernels cut those kernels by 36-38% (GPT, ResNet-20; counted on CPU with Triton's interpreter: ``python -m
 #: benchmarks.triton_kernels``), with the same values bit for bit.
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
