@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -217,10 +218,9 @@ def test_triton_kernel_proxy_counts_the_launches_that_combo_kernels_save():
     refresh launches more kernels than a step between refreshes, and the compiled steps' Inductor options (combo
     kernels) launch fewer than Inductor's defaults, for the same parameters."""
     script = """
-import json, sys, torch
+import json
 import adaloss.torch.modes.compiled as compiled
 from benchmarks import triton_kernels
-sys.argv = ["x"]
 found = {}
 for label, options in (("combo", dict(compiled.INDUCTOR_OPTIONS)), ("plain", {})):
     compiled.INDUCTOR_OPTIONS = options
@@ -229,7 +229,7 @@ for label, options in (("combo", dict(compiled.INDUCTOR_OPTIONS)), ("plain", {})
     found[label + "_parameters"] = [p.tolist() for p in models["adaptive-100-compiled"].parameters()]
 print(json.dumps(found))
 """
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # Triton reads it when it loads
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
