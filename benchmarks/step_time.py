@@ -67,8 +67,8 @@ from typing import Any
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
 from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, EAGER_VARIANTS,
-                                  GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload, build_initial, compiles, refresh_period, synchronizer,
-                                  workload_for)
+                                  GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload, build_initial, compiles,
+                                  inductor_option, refresh_period, synchronizer, use_inductor_options, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -267,6 +267,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "the GPU's busy time")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler's top operators for each variant")
+    parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
+                        help="an Inductor option (torch._inductor.config, e.g. triton.cudagraphs=True or "
+                             "combo_kernel_max_num_nodes=32) for the compiled adaptive steps, on top of adaloss's "
+                             "own (INDUCTOR_OPTIONS); repeat for more. Compiled GradScaler keeps Inductor's "
+                             "defaults. To try an option side by side without editing the library")
     parser.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args(argv)
@@ -315,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{', ' + env['cpu'] if env.get('cpu') else ''}; compute {args.dtype}, fp32 master weights")
     if env.get("source"):
         print(f"source: {env['source']}")
+    env["inductor_options"] = use_inductor_options(args.inductor_option)
+    if args.inductor_option:
+        print(f"Inductor options of the compiled adaptive steps: {env['inductor_options']}")
     if "loadavg_start" in env:
         print(f"load average at start: {' '.join(f'{v:.2f}' for v in env['loadavg_start'])} "
               f"(other processes add noise; the interleaving spreads it over all variants)")
@@ -378,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks.triton_kernels import triton_available
                 if triton_available():  # its own process: Triton's interpreter is chosen when Triton loads
                     subprocess.call([sys.executable, "-m", "benchmarks.triton_kernels", "--models", model_name,
-                                     "--variants", *compiled])
+                                     "--variants", *compiled,
+                                     *(f"--inductor-option={k}={v!r}" for k, v in args.inductor_option or ())])
         results["checks"].extend(checks)
         if args.json:  # after every model: a run cut short keeps the models it finished
             _write_json(results, args.json)

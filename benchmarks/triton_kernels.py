@@ -135,7 +135,7 @@ def report(model: str, found: dict[str, dict[str, int]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.step_time import model_choices
-    from benchmarks.workloads import VARIANTS
+    from benchmarks.workloads import VARIANTS, inductor_option, use_inductor_options
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt"], choices=model_choices(),
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"compiled variants (default: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--full", action="store_true", help="the CPU benchmark's sizes instead of --quick's "
                         "(the interpreter takes many minutes)")
+    parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
+                        help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
+                             "repeat for more")
     args = parser.parse_args(argv)
     if not triton_available():
         print("python -m benchmarks.triton_kernels: needs the triton package (pip install triton; no GPU needed)",
@@ -159,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # the interpreter's NumPy warnings, Inductor's "no CPU backend" one
     variants = [REFERENCE] + [v for v in args.variants if v != REFERENCE]
+    options = use_inductor_options(args.inductor_option)
+    if args.inductor_option:
+        print(f"Inductor options of the compiled adaptive steps: {options}")
     for model in args.models:
         report(model, count_kernels(model, variants, quick=not args.full))
     return 0

@@ -35,6 +35,35 @@ DEFAULT_ADAPTIVE = ("adaptive-1", "adaptive-100")
 def compiles(variant: str, device: str) -> bool:
     """Whether ``variant`` compiles its model on ``device`` (asked for, or the adaptive default on CUDA)."""
     return variant in COMPILED_VARIANTS or (variant in DEFAULT_ADAPTIVE and device.startswith("cuda"))
+
+
+def inductor_option(text: str) -> tuple[str, Any]:
+    """``--inductor-option KEY=VALUE``: an Inductor config key (``torch._inductor.config``, dotted as in
+    ``triton.cudagraphs``) and its value as a Python literal (else the string), for argparse."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    from torch._inductor import config
+    if key not in config.get_config_copy():
+        raise argparse.ArgumentTypeError(f"{key!r} is not an Inductor option (torch._inductor.config)")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def use_inductor_options(pairs: list[tuple[str, Any]] | None) -> dict[str, Any]:
+    """The compiled adaptive steps' Inductor options (``adaloss.torch.modes.compiled.INDUCTOR_OPTIONS``) with
+    ``pairs`` added in this process, to try an option without editing the library; compiled GradScaler, the
+    reference, keeps Inductor's defaults. Returns the options now in use."""
+    from adaloss.torch.modes import compiled
+    if pairs:
+        compiled.INDUCTOR_OPTIONS = {**compiled.INDUCTOR_OPTIONS, **dict(pairs)}
+    return dict(compiled.INDUCTOR_OPTIONS)
+
+
 REFERENCE = "gradscaler"
 #: The reference of the compiled variants: GradScaler on the same model compiled by Inductor.
 COMPILED_REFERENCE = "gradscaler-compiled"

@@ -132,6 +132,30 @@ def test_all_refuses_options_it_cannot_pass_to_both():
     assert done.returncode == 2 and "--no-memory" in done.stderr
 
 
+def test_an_inductor_option_reaches_the_compiled_adaptive_steps_and_a_wrong_one_exits_2(monkeypatch):
+    """``--inductor-option``: an option tried on the compiled adaptive steps without editing the library, on top of
+    adaloss's own; a key Inductor does not have is refused with exit 2, by name."""
+    import torch
+    import torch._inductor.compile_fx as inductor
+
+    import adaloss.torch.modes.compiled as compiled
+    from benchmarks.step_time import parse_args
+    from benchmarks.workloads import use_inductor_options
+
+    own = dict(compiled.INDUCTOR_OPTIONS)
+    monkeypatch.setattr(compiled, "INDUCTOR_OPTIONS", dict(own))
+    args = parse_args(["--inductor-option", "combo_kernel_max_num_nodes=32",
+                       "--inductor-option", "triton.cudagraphs=False"])
+    assert use_inductor_options(args.inductor_option) == {**own, "combo_kernel_max_num_nodes": 32,
+                                                          "triton.cudagraphs": False}
+    passed = {}
+    monkeypatch.setattr(inductor, "compile_fx", lambda gm, inputs, config_patches: passed.update(config_patches))
+    compiled.compile_static(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)])
+    assert passed == {**own, "combo_kernel_max_num_nodes": 32, "triton.cudagraphs": False}
+    done = run_benchmarks("--quick", "--inductor-option", "combo_kernel=1")
+    assert done.returncode == 2 and "'combo_kernel' is not an Inductor option" in done.stderr
+
+
 def test_a_step_peak_holds_the_gradients_the_step_allocates_and_grows_with_the_batch():
     """The compiled variants' memory is measured in process (``step_peaks``): a warm step's gradients are dropped
     first, so its peak holds at least all of them, and the activations kept for backward grow with the batch."""
