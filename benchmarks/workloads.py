@@ -39,19 +39,30 @@ def compiles(variant: str, device: str) -> bool:
 
 def inductor_option(text: str) -> tuple[str, Any]:
     """``--inductor-option KEY=VALUE``: an Inductor config key (``torch._inductor.config``, dotted as in
-    ``triton.cudagraphs``) and its value as a Python literal (else the string), for argparse."""
+    ``triton.cudagraphs``) and its value as a Python literal (else the string), of the option's type, for argparse
+    (a value Inductor would not take fails here, not as a compile failure that runs the steps eagerly)."""
     import ast
 
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     from torch._inductor import config
-    if key not in config.get_config_copy():
+    defaults = config.get_config_copy()
+    if key not in defaults:
         raise argparse.ArgumentTypeError(f"{key!r} is not an Inductor option (torch._inductor.config)")
     try:
-        return key, ast.literal_eval(value)
+        parsed = ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        return key, value
+        parsed = value
+    default = defaults[key]
+    expected = type(default)
+    numbers = (bool, int, float)  # exactly: True is no node count, and 3.5 no bool
+    fits = (type(parsed) is expected or (expected is float and type(parsed) is int)
+            or (expected not in numbers and isinstance(parsed, expected)))
+    if default is not None and not fits:
+        raise argparse.ArgumentTypeError(f"{key} takes a value of type {expected.__name__} (default {default!r}), "
+                                         f"got {value!r}")
+    return key, parsed
 
 
 def use_inductor_options(pairs: list[tuple[str, Any]] | None) -> dict[str, Any]:

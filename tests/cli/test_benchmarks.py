@@ -154,6 +154,8 @@ def test_an_inductor_option_reaches_the_compiled_adaptive_steps_and_a_wrong_one_
     assert passed == {**own, "combo_kernel_max_num_nodes": 32, "triton.cudagraphs": False}
     done = run_benchmarks("--quick", "--inductor-option", "combo_kernel=1")
     assert done.returncode == 2 and "'combo_kernel' is not an Inductor option" in done.stderr
+    done = run_benchmarks("--quick", "--inductor-option", "triton.cudagraphs=true")
+    assert done.returncode == 2 and "triton.cudagraphs takes a value of type bool" in done.stderr
 
 
 def test_a_step_peak_holds_the_gradients_the_step_allocates_and_grows_with_the_batch():
