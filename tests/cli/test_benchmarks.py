@@ -134,7 +134,8 @@ def test_all_refuses_options_it_cannot_pass_to_both():
 
 def test_an_inductor_option_reaches_the_compiled_adaptive_steps_and_a_wrong_one_exits_2(monkeypatch):
     """``--inductor-option``: an option tried on the compiled adaptive steps without editing the library, on top of
-    adaloss's own; a key Inductor does not have is refused with exit 2, by name."""
+    adaloss's own; a key Inductor does not have, or a value not of the option's type, is refused with exit 2, by
+    name."""
     import torch
     import torch._inductor.compile_fx as inductor
 
