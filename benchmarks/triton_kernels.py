@@ -1,11 +1,13 @@
 """Triton kernels per compiled step, counted on CPU: the GPU-cost proxy of the compiled variants.
 
 On a GPU a compiled step's time follows the kernels it launches, not the bytes they move. On the H200 (nanoGPT 6x384,
-batch 64x256, ``.ci/gpu-check``), compiled adaptive took 1.91x compiled GradScaler's step time on refresh steps and
-1.11x between refreshes, while this count at the ``--quick`` size gives 1.91x and 1.11x its Triton kernels; the
-bytes Inductor's C++ kernels move (``benchmarks.launches.compiled_bytes``) gave 1.51x and 1.22x, and the C++
-kernels run (``--launches``' ``generated``) 1.04x: Inductor's C++ backend fuses whole loop nests into one function,
-its Triton backend does not.
+batch 64x256, ``.ci/gpu-check``), before combo kernels compiled adaptive took 1.91x compiled GradScaler's step time on
+refresh steps and 1.11x between refreshes, while this count at the ``--quick`` size gave 1.91x and 1.11x its Triton
+kernels; the bytes Inductor's C++ kernels move (``benchmarks.launches.compiled_bytes``) gave 1.51x and 1.22x, and
+the C++ kernels run (``--launches``' ``generated``) 1.04x: Inductor's C++ backend fuses whole loop nests into one
+function, its Triton backend does not. With combo kernels the H200 took 1.47x and 0.96x, where the ``--quick`` count
+(one block of width 32) gives 1.20x and 0.69x: a shallow, narrow model under-counts a deep one's refresh.
+``--gpu-shape`` counts at the GPU benchmark's shape instead, 1.67x and 0.59x (292 and 104 kernels against 175).
 
 How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
 the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
@@ -14,6 +16,12 @@ inside this process, make a CPU-only machine do it: a constant Triton backend ha
 ``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), and CPU kernels
 admitted to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
 ``INDUCTOR_OPTIONS``). Kernel *launches* are counted (a kernel run twice counts twice), per step.
+
+``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
+tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
+zero-fills its floating-point arguments instead, so that the steps run as with all-zero values (no overflow, and the
+steps between refreshes come) and the count is the GPU's, kernel for kernel, at that shape. The batch is small (8 by
+default) to keep the eager parts quick; compiled GradScaler's nanoGPT step launches 175 kernels at batch 8 and at 64.
 
 Needs the ``triton`` package (``pip install triton``: no GPU needed) and minutes per model (the interpreter is slow:
 use the ``--quick`` sizes, the default). ``python -m benchmarks.triton_kernels [--models gpt] [--variants ...]``
@@ -27,6 +35,7 @@ import copy
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 #: The compiled variants counted by default, and the reference of the ratios.
@@ -44,6 +53,8 @@ def triton_available() -> bool:
 
 
 _LAUNCHES: list[int] = []
+#: Whether a counted launch runs its kernel (by Triton's interpreter) or zero-fills its floating-point arguments.
+_RUN_KERNELS = [True]
 
 
 def _prepare_interpreter() -> list[int]:
@@ -54,6 +65,7 @@ def _prepare_interpreter() -> list[int]:
     import inspect
     import textwrap
 
+    import torch
     import torch.utils._triton as torch_triton
     import triton.language as tl
     from torch._inductor import scheduler
@@ -84,23 +96,35 @@ def _prepare_interpreter() -> list[int]:
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         _LAUNCHES[0] += 1
-        return run(self, *args, **kwargs)
+        if _RUN_KERNELS[0]:
+            return run(self, *args, **kwargs)
+        for arg in args:  # outputs (and inputs: the values no longer matter) become zeros, never garbage
+            if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                arg.zero_()
+        return None
 
     triton_heuristics.CachingAutotuner.run = counted
     return _LAUNCHES
 
 
-def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False) -> Any:
+def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False,
+                  gpu_shape_batch: int | None = None, run_kernels: bool | None = None) -> Any:
     """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
     steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``).
-    ``keep_models``: also return each variant's model after those steps, (counts, models)."""
+    ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
+    CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
+    without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
     import torch
     from torch._inductor import config
 
     from benchmarks.workloads import Runner, build_initial, workload_for
 
     launches = _prepare_interpreter()
-    work = workload_for(model, "cpu", quick)
+    if gpu_shape_batch is None:
+        work = workload_for(model, "cpu", quick)
+    else:
+        work = replace(workload_for(model, "cuda", False), batch_size=gpu_shape_batch)
+    _RUN_KERNELS[0] = gpu_shape_batch is None if run_kernels is None else run_kernels
     initial, batches = build_initial(work, "cpu")
     found, models = {}, {}
     for name in variants:
@@ -117,11 +141,12 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     return (found, models) if keep_models else found
 
 
-def report(model: str, found: dict[str, dict[str, int]]) -> None:
-    """Print :func:`count_kernels`' table with ratios to compiled GradScaler."""
+def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> None:
+    """Print :func:`count_kernels`' table with ratios to compiled GradScaler; ``shape``: where the sizes came from
+    when not the CPU benchmark's (``--gpu-shape``)."""
     base = found.get(REFERENCE, {}).get("steady")
-    print(f"\n{model}: Triton kernels launched per compiled step (Inductor's Triton backend, run by Triton's "
-          "interpreter on CPU)")
+    how = f"at {shape}, generated but not run" if shape else "run by Triton's interpreter on CPU"
+    print(f"\n{model}: Triton kernels launched per compiled step (Inductor's Triton backend, {how})")
     print(f"  {'variant':<24} {'refresh':>8} {'x ' + REFERENCE:>22} {'steady':>8} {'x ' + REFERENCE:>22}")
     for name, row in found.items():
         cells = ""
@@ -143,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                         choices=[v for v in VARIANTS if v.endswith(("-compiled", "-regional"))],
                         help=f"compiled variants (default: {' '.join(DEFAULT_VARIANTS)})")
-    parser.add_argument("--full", action="store_true", help="the CPU benchmark's sizes instead of --quick's "
-                        "(the interpreter takes many minutes)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true", help="the CPU benchmark's sizes instead of --quick's "
+                       "(the interpreter takes many minutes)")
+    sizes.add_argument("--gpu-shape", type=int, nargs="?", const=8, metavar="BATCH",
+                       help="the CUDA benchmark's model shape (e.g. the nanoGPT's 6 blocks of width 384 at 256 "
+                            "tokens) at batch BATCH (default 8), its kernels generated and counted but not run: "
+                            "what a deep model's refresh launches, which --quick's one narrow block under-counts")
     parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
                         help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
                              "repeat for more")
@@ -165,8 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     options = use_inductor_options(args.inductor_option)
     if args.inductor_option:
         print(f"Inductor options of the compiled adaptive steps: {options}")
+    if args.gpu_shape is not None and args.gpu_shape < 1:
+        parser.error(f"--gpu-shape: the batch must be at least 1, got {args.gpu_shape}")
     for model in args.models:
-        report(model, count_kernels(model, variants, quick=not args.full))
+        shape = ""
+        if args.gpu_shape is not None:
+            shape = f"the CUDA benchmark's shape, batch {args.gpu_shape}"
+        report(model, count_kernels(model, variants, quick=not args.full, gpu_shape_batch=args.gpu_shape), shape)
     return 0
 
 

@@ -244,17 +244,22 @@ def _triton_available() -> bool:
 def test_triton_kernel_proxy_counts_the_launches_that_combo_kernels_save():
     """The GPU-cost proxy of compiled steps: Inductor's Triton kernels, run by Triton's interpreter on CPU. A
     refresh launches more kernels than a step between refreshes, and the compiled steps' Inductor options (combo
-    kernels) launch fewer than Inductor's defaults, for the same parameters."""
+    kernels) launch fewer than Inductor's defaults, for the same parameters. Counted without running them (what
+    ``--gpu-shape`` does at sizes the interpreter cannot run), the launches are the same."""
     script = """
 import json
 import adaloss.torch.modes.compiled as compiled
 from benchmarks import triton_kernels
 found = {}
-for label, options in (("combo", dict(compiled.INDUCTOR_OPTIONS)), ("plain", {})):
+combo_options = dict(compiled.INDUCTOR_OPTIONS)
+for label, options in (("combo", dict(combo_options)), ("plain", {})):
     compiled.INDUCTOR_OPTIONS = options
     counts, models = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], keep_models=True)
     found[label] = counts["adaptive-100-compiled"]
     found[label + "_parameters"] = [p.tolist() for p in models["adaptive-100-compiled"].parameters()]
+compiled.INDUCTOR_OPTIONS = combo_options
+found["not_run"] = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], run_kernels=False)[
+    "adaptive-100-compiled"]
 print(json.dumps(found))
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # Triton reads it when it loads
@@ -266,3 +271,4 @@ print(json.dumps(found))
     assert combo["refresh"] > combo["steady"] > 0
     assert combo["refresh"] < plain["refresh"] and combo["steady"] < plain["steady"]
     assert found["combo_parameters"] == found["plain_parameters"]
+    assert found["not_run"] == combo
