@@ -43,25 +43,19 @@ def inductor_option(text: str) -> tuple[str, Any]:
     (a value Inductor would not take fails here, not as a compile failure that runs the steps eagerly)."""
     import ast
 
+    from adaloss.torch.modes.compiled import check_inductor_options
+
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    from torch._inductor import config
-    defaults = config.get_config_copy()
-    if key not in defaults:
-        raise argparse.ArgumentTypeError(f"{key!r} is not an Inductor option (torch._inductor.config)")
     try:
         parsed = ast.literal_eval(value)
     except (ValueError, SyntaxError):
         parsed = value
-    default = defaults[key]
-    expected = type(default)
-    numbers = (bool, int, float)  # exactly: True is no node count, and 3.5 no bool
-    fits = (type(parsed) is expected or (expected is float and type(parsed) is int)
-            or (expected not in numbers and isinstance(parsed, expected)))
-    if default is not None and not fits:
-        raise argparse.ArgumentTypeError(f"{key} takes a value of type {expected.__name__} (default {default!r}), "
-                                         f"got {value!r}")
+    try:
+        check_inductor_options({key: parsed}, "--inductor-option")  # the library's rule, as compile_options'
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--inductor-option: ")) from None
     return key, parsed
 
 

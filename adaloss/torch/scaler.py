@@ -23,7 +23,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -97,6 +97,13 @@ class LossScaler:
             (H200: nanoGPT 38 s against 73 s, ResNet-50 97 s against more than 150 s), but slower steps (2.3x a
             GradScaler step against the whole graph's 1.5x on the nanoGPT): each block is a call of its own, and
             the scale restarts from the loss scale at every block boundary.
+        compile_options: Inductor options for what ``compile`` compiles (the names of ``torch.compile(options=...)``,
+            keys of ``torch._inductor.config``), on top of adaloss's own for the adaptive steps (combo kernels).
+            E.g. ``{"triton.cudagraphs": True}``: Inductor's CUDA graphs, which on an H200 took the nanoGPT's
+            adaptive step from 1.29x an eager GradScaler step to 0.72-0.83x (0.57x with statistics every 100 steps)
+            by removing its kernel launches; as with ``torch.compile``, a tensor the model returned is then
+            overwritten by a later step (read it, or clone it, before the next forward). Checked here; refused
+            with ``compile=False``.
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -113,7 +120,7 @@ class LossScaler:
 
     def __init__(self, model: nn.Module | None, method: str = "dynamic", *, config: LossScalingConfig | None = None,
                  enabled: bool = True, process_group: Any = None, compile: bool | str | None = None,
-                 **options: Any) -> None:
+                 compile_options: Mapping[str, Any] | None = None, **options: Any) -> None:
         if "fused" in options:
             raise TypeError("LossScaler(fused=...) was retired: the per-point compiled refresh was no faster than "
                             "the plain device path (2.9x against 2.7x a GradScaler step on ResNet-50, H200) and 30x "
@@ -121,8 +128,17 @@ class LossScaler:
         if isinstance(compile, str) and compile != "regional":
             raise ValueError(f"LossScaler(compile={compile!r}): choose True, False, None (the default: compiled "
                              "on CUDA) or 'regional' (compiled per repeated block)")
+        if compile_options is not None:
+            if compile is False:
+                raise ValueError("LossScaler(compile=False, compile_options=...): options for the compiler need "
+                                 "compiling; drop compile=False, or the options")
+            from .modes.compiled import check_inductor_options
+            compile_options = check_inductor_options(compile_options, "LossScaler(compile_options=...)")
         self.config = config if config is not None else scaling_options(method, options)
         self.method = self.config.method
+        if compile_options is not None and self.method != "adaptive" and not compile:
+            raise ValueError(f"LossScaler({self.method!r}, compile_options=...): {self.method} scaling compiles the "
+                             "model only with compile=True; pass it, or drop the options")
         self.policy: ScalePolicy = build_policy(self.config)
         if model is None and ((self.method == "adaptive" and enabled) or compile):
             raise ValueError(f"LossScaler(None, {self.method!r}{', compile=True' if compile else ''}) needs the "
@@ -140,12 +156,12 @@ class LossScaler:
             if compile:
                 from .modes.compiled import CompiledMode  # (its Inductor machinery loads when it first compiles)
 
-                self.state.mode = CompiledMode()
+                self.state.mode = CompiledMode(options=compile_options)
             elif compile is None and process_group is None:  # chosen at the first forward, where the model is then
-                self.state.mode = DefaultMode()  # (data-parallel: eager, as the trainer, until tested on GPUs)
+                self.state.mode = DefaultMode(compile_options)  # (data-parallel: eager, as the trainer, until tested)
             install(model, self.state, regional=compile == "regional")
         elif compile:
-            model.compile()  # in place, as the adaptive model's capture: the module and its parameters stay
+            model.compile(options=compile_options)  # in place, as the adaptive model's capture: the parameters stay
         self._optimizers: dict[int, _OptimizerRecord] = {}
         self._read_this_iteration = False
         self._model_ids: frozenset[int] | None = None

@@ -17,7 +17,7 @@ steps and the float32 reference pass run the eager graph.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx
@@ -29,7 +29,7 @@ from .base import ExecutionMode
 from .compiled_refresh import new_trace, refresh_call
 from .static_points import Layout, reuse_call, static_graph
 
-__all__ = ["CompiledMode", "CompiledSteps"]
+__all__ = ["CompiledMode", "CompiledSteps", "check_inductor_options"]
 
 
 #: Distinct graphs (input shapes, train or eval, autocast settings) that compiled steps are compiled for when the
@@ -44,14 +44,17 @@ class CompiledMode(ExecutionMode):
     :class:`CompiledSteps` of every captured graph.
 
     ``chosen``: the user asked for it (``compile=True``); otherwise it is the CUDA default, which compiles at most
-    :data:`DEFAULT_COMPILED_GRAPHS` graphs and gives way to CUDA graphs (``GraphedStep``) without complaint."""
+    :data:`DEFAULT_COMPILED_GRAPHS` graphs and gives way to CUDA graphs (``GraphedStep``) without complaint.
+    ``options``: Inductor options on top of :data:`INDUCTOR_OPTIONS` (``LossScaler(compile_options=...)``, checked
+    by :func:`check_inductor_options`)."""
 
     name = "compiled"
 
-    def __init__(self, chosen: bool = True) -> None:
+    def __init__(self, chosen: bool = True, options: Mapping[str, Any] | None = None) -> None:
         self.steps = 0
         self.graphs: list[CompiledSteps] = []
         self.chosen = chosen
+        self.options = dict(options or {})
         self._shapes_warned = False
 
     def may_compile(self, steps: "CompiledSteps") -> bool:
@@ -89,9 +92,35 @@ def _compile_failed(kind: str, err: Exception) -> None:
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
-def compile_static(static: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """``options`` as Inductor takes them (``torch.compile(options=...)``'s names: ``torch._inductor.config``'s
+    keys, dotted as ``triton.cudagraphs``), each value of its default's type; else a ValueError naming ``owner``
+    and the key, before anything compiles (a wrong option found while compiling would only warn, and the steps
+    would run eagerly)."""
+    from torch._inductor import config
+
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{owner}: expected a dict of Inductor options, got {type(options).__name__}")
+    defaults = config.get_config_copy()
+    numbers = (bool, int, float)
+    for key, value in options.items():
+        if key not in defaults:
+            raise ValueError(f"{owner}: {key!r} is not an Inductor option (a key of torch._inductor.config, "
+                             "e.g. 'triton.cudagraphs')")
+        default = defaults[key]
+        expected = type(default)
+        fits = (type(value) is expected or (expected is float and type(value) is int)  # exactly: True is no count
+                or (expected not in numbers and isinstance(value, expected)))
+        if default is not None and not fits:
+            raise ValueError(f"{owner}: {key} takes a value of type {expected.__name__} (default {default!r}), "
+                             f"got {value!r}")
+    return dict(options)
+
+
+def compile_static(static: fx.GraphModule, example_inputs: list,
+                   options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """``static`` compiled by Inductor, forward and backward, for ``example_inputs``' shapes, with
-    :data:`INDUCTOR_OPTIONS`.
+    :data:`INDUCTOR_OPTIONS` and ``options`` on top.
 
     Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
     sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
@@ -105,7 +134,7 @@ def compile_static(static: fx.GraphModule, example_inputs: list) -> Callable[...
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
     with tracing(TracingContext(fake_mode)):
-        return compile_fx(static, fakes, config_patches=INDUCTOR_OPTIONS)
+        return compile_fx(static, fakes, config_patches={**INDUCTOR_OPTIONS, **(options or {})})
 
 
 class CompiledSteps:
@@ -170,7 +199,7 @@ class CompiledSteps:
         static = static_graph(self.gm, ["adaloss_coefficients"],
                               lambda module: reuse_call(module, layout, dtype, pure))
         try:
-            self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)])
+            self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)], self.mode.options)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             self._failed = True
             _compile_failed("between-refresh", err)
@@ -212,7 +241,7 @@ class CompiledSteps:
                               begin=trace.begin)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
-                compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)])
+                compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)], self.mode.options)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             _compile_failed("refresh", err)
             return None

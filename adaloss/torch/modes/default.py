@@ -12,6 +12,7 @@ device its parameters are on then (Lightning, Fabric and accelerate move the mod
 from __future__ import annotations
 
 import warnings
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +24,11 @@ __all__ = ["DefaultMode", "compiles_by_default"]
 
 
 class DefaultMode(EagerMode):
-    """Eager until the first forward, which replaces it with the mode :meth:`resolve` picks."""
+    """Eager until the first forward, which replaces it with the mode :meth:`resolve` picks; ``options``: the
+    compiled mode's Inductor options (``LossScaler(compile_options=...)``)."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
 
     def resolve(self, model: nn.Module) -> ExecutionMode:
         """The mode for ``model`` where its parameters are now (an FSDP2 model's pieces never get here: the capture
@@ -32,7 +37,7 @@ class DefaultMode(EagerMode):
         device = first.device if first is not None else torch.device("cpu")
         if compiles_by_default(device):
             from .compiled import CompiledMode  # (its Inductor machinery loads when it first compiles)
-            return CompiledMode(chosen=False)
+            return CompiledMode(chosen=False, options=self.options)
         return EagerMode()
 
 

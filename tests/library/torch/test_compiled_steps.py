@@ -327,7 +327,46 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
     assert scaler.state.mode.steps == 0
 
 
-def test_compile_for_other_methods_compiles_the_model_in_place():
+@pytest.mark.parametrize("compile", [True, None])
+def test_compile_options_reach_inductor_on_top_of_adalosss_own(monkeypatch, compile):
+    # What compile_fx is asked for, recorded by a stand-in that then fails (the steps run eagerly, no compile):
+    # the user's options over the combo kernels, by an explicit compile=True and by the default's choice (forced,
+    # as on CUDA).
+    from adaloss.torch.modes import compiled, default
+
+    asked = []
+
+    def record(static, inputs, config_patches=None):
+        asked.append(config_patches)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", record)
+    monkeypatch.setattr(default, "compiles_by_default", lambda device, warn=True: True)
+    model = _Net()
+    scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=2,
+                        compile_options={"triton.cudagraphs": True, "combo_kernels": False})
+    x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,))
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        for _ in range(2):
+            _gradients(model, scaler, x, y, None)
+            scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+            scaler.update()
+    assert asked == [{**compiled.INDUCTOR_OPTIONS, "triton.cudagraphs": True, "combo_kernels": False}] * 2
+
+
+@pytest.mark.parametrize("method, kwargs, message", [
+    ("adaptive", {"compile_options": {"cudagraphs": True}}, "'cudagraphs' is not an Inductor option"),
+    ("adaptive", {"compile_options": {"triton.cudagraphs": 1}}, "triton.cudagraphs takes a value of type bool"),
+    ("adaptive", {"compile_options": ["triton.cudagraphs"]}, "expected a dict of Inductor options, got list"),
+    ("adaptive", {"compile": False, "compile_options": {}}, "options for the compiler need compiling"),
+    ("dynamic", {"compile_options": {"triton.cudagraphs": True}}, "compiles the model only with compile=True"),
+])
+def test_compile_options_that_would_not_apply_are_refused_by_name(method, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossScaler(nn.Linear(3, 2), method, **kwargs)
+
+
+def test_compile_for_other_methods_compiles_the_model_in_place(monkeypatch):
     model = nn.Linear(3, 2)
     weight = model.weight
     LossScaler(model, "dynamic", compile=True)
@@ -335,6 +374,10 @@ def test_compile_for_other_methods_compiles_the_model_in_place():
     plain = nn.Linear(3, 2)
     LossScaler(plain, "dynamic")
     assert plain._compiled_call_impl is None
+    asked = []
+    monkeypatch.setattr(nn.Linear, "compile", lambda self, **kwargs: asked.append(kwargs))
+    LossScaler(nn.Linear(3, 2), "dynamic", compile=True, compile_options={"max_autotune": False})
+    assert asked == [{"options": {"max_autotune": False}}]
 
 
 def test_cuda_graphs_of_compiled_steps_are_refused():
