@@ -26,6 +26,10 @@ What is compared, per model, on ONE set of seeded initial weights and the same s
   for: on CUDA the default adaptive variants run these steps already): GradScaler on the model compiled by Inductor (``model.compile()``), and ``LossScaler(..., compile=True)``,
   whose refresh steps and steps between refreshes both run compiled. The compiled adaptive variants are checked
   against both references: eager GradScaler, and GradScaler on the same compiled model.
+- ``gradscaler-reduce-overhead``, ``adaptive-1-reduce-overhead``, ``adaptive-100-reduce-overhead`` (CUDA only,
+  asked for): the same compiled with Inductor's CUDA graphs (``model.compile(mode="reduce-overhead")``, and
+  ``LossScaler(..., compile=True, compile_options={"triton.cudagraphs": True})``), checked against eager
+  GradScaler (the CUDA-graph goal) and against GradScaler compiled likewise.
 
 Every variant runs the training step of the torch backend (``backends/torch/adapter.py``): float32 master weights,
 forward in the compute dtype through ``MixedPrecisionForward`` (parameters cast differentiably, float32 logits),
@@ -66,8 +70,9 @@ from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
-from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, EAGER_VARIANTS,
-                                  GRAPH_VARIANTS, REFERENCE, VARIANTS, Runner, Workload, build_initial, compiles,
+from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, CUDA_ONLY_VARIANTS,
+                                  EAGER_VARIANTS, GRAPH_VARIANTS, REDUCE_OVERHEAD_VARIANTS, REFERENCE, VARIANTS,
+                                  Runner, Workload, build_initial, compiles,
                                   inductor_option, refresh_period, synchronizer, use_inductor_options, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -233,10 +238,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "resnet50 being torchvision's layout at 224x224 and gpt nanoGPT's 6-block, width-384 "
                              "character model at 256 tokens)")
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                        help="variants (gradscaler, the reference, is always included); default: all on cuda, all "
-                             "but the CUDA-graph ones (*-graph: the whole step in a CUDA graph) and the compiled "
-                             "ones (*-compiled: the model compiled by Inductor, for adaptive the steps between "
-                             "refreshes; each compiles for seconds to minutes first) on cpu")
+                        help="variants (gradscaler, the reference, is always included). Default on cuda: all but "
+                             "adaptive-N-compiled (the default adaptive-N compiles the same steps) and "
+                             "*-reduce-overhead (compiled with Inductor's CUDA graphs, a third compile); on cpu: "
+                             "all but the CUDA-only ones (*-graph: the whole step in a CUDA graph, "
+                             "*-reduce-overhead), the compiled ones (*-compiled, *-regional: compiled by Inductor, "
+                             "seconds to minutes first) and *-eager (the cpu default is eager)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="compute dtype under test (default float16; fp32 master weights either way)")
@@ -289,15 +296,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.models is None:
         args.models = ["mlp", "resnet20"] if args.device == "cpu" else ["resnet50", "gpt", "resnet20", "mlp"]
-    graphs = [v for v in args.variants or () if v in GRAPH_VARIANTS]
+    graphs = [v for v in args.variants or () if v in CUDA_ONLY_VARIANTS]
     if args.device == "cpu" and graphs:
         parser.error(f"--variants {' '.join(graphs)}: CUDA graphs need --device cuda")
     if args.variants is None:
         # On CUDA adaptive-N-compiled would repeat the default adaptive-N (the same compiled steps, compiled again:
-        # minutes on ResNet-50); on a CPU the default is the eager step.
+        # minutes on ResNet-50), and the reduce-overhead variants compile them a third time (asked for); on a CPU
+        # the default is the eager step.
         args.variants = [v for v in VARIANTS
-                         if (v not in ADAPTIVE_COMPILED if args.device != "cpu"
-                             else v not in GRAPH_VARIANTS + COMPILED_VARIANTS + EAGER_VARIANTS)]
+                         if (v not in ADAPTIVE_COMPILED + REDUCE_OVERHEAD_VARIANTS if args.device != "cpu"
+                             else v not in CUDA_ONLY_VARIANTS + COMPILED_VARIANTS + EAGER_VARIANTS)]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE] + list(args.variants)
     args.variants = [v for v in VARIANTS if v in args.variants]
@@ -354,8 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {name: runner.summary() for name, runner in runners.items()}
         peaks = {}
         if any(compiles(name, args.device) for name in runners):  # their memory, measured in this process
+            # (not the reduce-overhead variants': their tensors live in the CUDA graphs' private pool, allocated
+            # when a graph is recorded, which a warm step's peak does not see)
             peaks = step_peaks({name: runner for name, runner in runners.items()
-                                if name in (REFERENCE, COMPILED_REFERENCE) or compiles(name, args.device)},
+                                if (name in (REFERENCE, COMPILED_REFERENCE) or compiles(name, args.device))
+                                and name not in REDUCE_OVERHEAD_VARIANTS},
                                batches, args.device)
         checks = report_model(work, args.device, args.dtype, timing, memory, runs, peaks)
         if args.profile:

@@ -14,16 +14,25 @@ from typing import Any, Callable
 VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100", "adaptive-1-eager", "adaptive-100-eager",
             "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
             "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled",
-            "adaptive-1-regional", "adaptive-100-regional")
+            "adaptive-1-regional", "adaptive-100-regional",
+            "gradscaler-reduce-overhead", "adaptive-1-reduce-overhead", "adaptive-100-reduce-overhead")
 #: ``adaptive-N``: the default configuration, ``LossScaler(model, "adaptive", update_per_n_iteration=N)``, which
 #: compiles its steps on CUDA and runs them eagerly on a CPU; ``adaptive-N-eager``: ``compile=False`` (on a CPU the
 #: same as the default, so left out there unless asked for).
 EAGER_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-eager"))
 #: The variants that capture the whole step in a CUDA graph (``GraphedStep``, fused SGD): CUDA only.
 GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
+#: ``*-reduce-overhead`` (CUDA only): compiled with Inductor's CUDA graphs, ``torch.compile(mode="reduce-overhead")``
+#: of the model for GradScaler, ``LossScaler(compile=True, compile_options={"triton.cudagraphs": True})`` for
+#: adaptive.
+REDUCE_OVERHEAD_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-reduce-overhead"))
+#: The reference of the reduce-overhead variants: GradScaler on the model compiled with Inductor's CUDA graphs.
+REDUCE_OVERHEAD_REFERENCE = "gradscaler-reduce-overhead"
+#: The variants that need a CUDA device.
+CUDA_ONLY_VARIANTS = GRAPH_VARIANTS + REDUCE_OVERHEAD_VARIANTS
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
 #: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
-COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith(("-compiled", "-regional")))
+COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith(("-compiled", "-regional", "-reduce-overhead")))
 #: ``adaptive-N-compiled``: ``compile=True``, on CUDA the same steps as the default ``adaptive-N``.
 ADAPTIVE_COMPILED = ("adaptive-1-compiled", "adaptive-100-compiled")
 #: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, compiled per repeated block.
@@ -146,15 +155,17 @@ class Runner:
         self.model = copy.deepcopy(initial)  # transformed in place by adaptive
         compiled = ("regional" if variant in REGIONAL_VARIANTS else True if variant in COMPILED_VARIANTS
                     else False if variant in EAGER_VARIANTS else None)
+        graphs = variant in REDUCE_OVERHEAD_VARIANTS  # Inductor's CUDA graphs
         if variant.startswith("gradscaler"):
             self.scaler: Any = torch.amp.GradScaler(torch.device(device).type)
             if compiled:
-                self.model.compile()
+                self.model.compile(**({"mode": "reduce-overhead"} if graphs else {}))
         elif variant.startswith("dynamic"):
             self.scaler = LossScaler(self.model, "dynamic")
         elif variant.startswith("adaptive-"):
             self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=refresh_period(variant),
-                                     compile=compiled)
+                                     compile=compiled,
+                                     compile_options={"triton.cudagraphs": True} if graphs else None)
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()

@@ -115,6 +115,43 @@ def test_compiled_variants_are_checked_against_both_gradscalers(capsys):
                      capsys.readouterr().out, re.M)
 
 
+def test_reduce_overhead_variants_compile_with_inductors_cuda_graphs_and_are_checked_against_their_own_reference(
+        capsys, monkeypatch):
+    """*-reduce-overhead: GradScaler on model.compile(mode="reduce-overhead") and adaptive steps compiled with
+    Inductor's CUDA graphs (built here on CPU without stepping; they need CUDA to run: refused on cpu), held to
+    the CUDA-graph goal against eager GradScaler and to the compiled goals against GradScaler compiled alike."""
+    import torch
+
+    from benchmarks.report import report_model
+    from benchmarks.step_time import parse_args, summarise_times
+    from benchmarks.workloads import Runner, build_initial, workload_for
+
+    initial, _ = build_initial(workload_for("mlp", "cpu", True), "cpu")
+    adaptive = Runner("adaptive-1-reduce-overhead", initial, "float16", "cpu")
+    assert adaptive.scaler.state.mode.name == "compiled"
+    assert adaptive.scaler.state.mode.options == {"triton.cudagraphs": True}
+    asked = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: asked.append(kwargs))
+    reference = Runner("gradscaler-reduce-overhead", initial, "float16", "cpu")
+    assert isinstance(reference.scaler, torch.amp.GradScaler) and asked == [{"mode": "reduce-overhead"}]
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--variants", "adaptive-1-reduce-overhead"])
+    assert refused.value.code == 2 and "CUDA graphs need --device cuda" in capsys.readouterr().err
+    assert not any(v.endswith("-reduce-overhead") for v in parse_args(["--device", "cuda"]).variants)
+
+    times = {"gradscaler": [[1.0, 1.0]], "gradscaler-compiled": [[0.85, 0.85]],
+             "gradscaler-reduce-overhead": [[0.6, 0.6]], "adaptive-1-reduce-overhead": [[0.72, 0.72]],
+             "adaptive-100-reduce-overhead": [[0.57, 0.57]]}
+    checks = {c["goal"]: c for c in report_model(workload_for("gpt", "cuda", False), "cuda", "float16",
+                                                 summarise_times(times), {}, {})}
+    graphs = checks["adaptive-1-reduce-overhead/gradscaler step time"]
+    assert graphs["limit"] == 0.7 and not graphs["pass"]  # 0.72
+    assert checks["adaptive-100-reduce-overhead/gradscaler step time (amortised)"]["pass"]
+    own = checks["adaptive-1-reduce-overhead/gradscaler-reduce-overhead step time"]
+    assert own["value"] == pytest.approx(1.2) and own["limit"] == 1.10 and not own["pass"]
+    assert not any("reduce-overhead/gradscaler-compiled" in goal for goal in checks)
+
+
 def test_chainer_benchmark_runs_through_the_same_command():
     from adaloss.chainer import compat
     try:
