@@ -102,8 +102,10 @@ class LossScaler:
             E.g. ``{"triton.cudagraphs": True}``: Inductor's CUDA graphs, which on an H200 took the nanoGPT's
             adaptive step from 1.29x an eager GradScaler step to 0.72-0.83x (0.57x with statistics every 100 steps)
             by removing its kernel launches; as with ``torch.compile``, a tensor the model returned is then
-            overwritten by a later step (read it, or clone it, before the next forward). Checked here; refused
-            with ``compile=False``.
+            overwritten by a later step (read it, or clone it, before the next forward). With ``compile=None``
+            they apply where the default compiles (adaptive scaling on a CUDA device). Checked here; refused with
+            ``compile=False``, and where nothing would compile (another method without ``compile=True``, a
+            ``process_group`` without it).
         process_group: with data-parallel training (e.g. ``torch.distributed.group.WORLD``), the group whose
             processes must agree on skipping a step: the overflow flag is all-reduced and the loss given to
             :meth:`step` averaged, in one collective before the step's single host read. Adaptive scales stay per
@@ -139,6 +141,9 @@ class LossScaler:
         if compile_options is not None and self.method != "adaptive" and not compile:
             raise ValueError(f"LossScaler({self.method!r}, compile_options=...): {self.method} scaling compiles the "
                              "model only with compile=True; pass it, or drop the options")
+        if compile_options is not None and compile is None and process_group is not None:
+            raise ValueError("LossScaler(process_group=..., compile_options=...): with a process group the steps "
+                             "run eagerly unless compile=True; pass it, or drop the options")
         self.policy: ScalePolicy = build_policy(self.config)
         if model is None and ((self.method == "adaptive" and enabled) or compile):
             raise ValueError(f"LossScaler(None, {self.method!r}{', compile=True' if compile else ''}) needs the "

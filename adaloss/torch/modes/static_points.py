@@ -270,10 +270,11 @@ def _keep_static_inputs(gm: fx.GraphModule, static: fx.GraphModule, copies: dict
                         added: list[fx.Node]) -> None:
     """Dynamo's record of where each input of ``gm`` comes from, on its copies in ``static`` (the new inputs come
     from no user code), so that AOT autograd tells Inductor, as it does for ``torch.compile``, which inputs are the
-    model's parameters and buffers: the same tensors at every step. Only Inductor's CUDA graphs
-    (``triton.cudagraphs``) read that: without it they copied every parameter into the graph at each replay (79
-    copies per nanoGPT step) and gave up on a forward that updates batch norm's running statistics, inputs it
-    mutates (ResNet-50 ran 2.26x slower on an H200). Graphs not captured by Dynamo are left as they are."""
+    model's parameters and buffers: the same tensors at every step. Inductor's CUDA graphs (``triton.cudagraphs``)
+    need that: without it they copy every parameter into the graph at each replay (which would explain the
+    nanoGPT's 79 more kernels per step with graphs, for 76 parameters) and give up on a forward that updates batch
+    norm's running statistics, inputs it mutates (ResNet-50 ran 2.26x slower on an H200); Inductor also takes them
+    as aligned when they are, as under ``torch.compile``. Graphs not captured by Dynamo are left as they are."""
     if "dynamo_compile_id" not in gm.meta:
         return
     for old in gm.graph.find_nodes(op="placeholder"):

@@ -360,6 +360,7 @@ def test_compile_options_reach_inductor_on_top_of_adalosss_own(monkeypatch, comp
     ("adaptive", {"compile_options": ["triton.cudagraphs"]}, "expected a dict of Inductor options, got list"),
     ("adaptive", {"compile": False, "compile_options": {}}, "options for the compiler need compiling"),
     ("dynamic", {"compile_options": {"triton.cudagraphs": True}}, "compiles the model only with compile=True"),
+    ("adaptive", {"compile_options": {}, "process_group": object()}, "with a process group the steps run eagerly"),
 ])
 def test_compile_options_that_would_not_apply_are_refused_by_name(method, kwargs, message):
     with pytest.raises(ValueError, match=message):
