@@ -328,7 +328,7 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
 
 
 @pytest.mark.parametrize("compile", [True, None])
-def test_compile_options_reach_inductor_on_top_of_adalosss_own(monkeypatch, compile):
+def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, compile):
     # What compile_fx is asked for, recorded by a stand-in that then fails (the steps run eagerly, no compile):
     # the user's options over the combo kernels, by an explicit compile=True and by the default's choice (forced,
     # as on CUDA).
