@@ -168,16 +168,18 @@ def _check_coefficients(state, graph, expected: int):
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
                         period: int = 2, net: type = _Net, forbid_reads: bool = False,
-                        compile: bool | None = True, overflow_at: int | None = None) -> LossScaler:
+                        compile: bool | None = True, overflow_at: int | None = None,
+                        compile_options: dict | None = None) -> LossScaler:
     """Train with compiled steps (every ``period``-th step refreshes); on each, run the same batch on the same
     weights through the eager step too and compare every gradient, and after a refresh everything it stored.
     ``forbid_reads``: once the first ``period`` steps compiled, the compiled steps' forward and backward must read
     no device value (see :func:`_reads_forbidden`). ``overflow_at``: that step's batch holds an inf, so that the
     step is skipped and the headroom backs off (the steps after it must store the eager factors at the new
-    headroom)."""
+    headroom). ``compile_options``: the scaler's Inductor options."""
     torch.manual_seed(0)
     model = net().to(device)
-    scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=period)
+    scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=period,
+                        compile_options=compile_options)
     if pure:  # every activation in fp16, cast inside the graph
         scaler.set_pure_dtype(autocast_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -427,3 +429,17 @@ def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
     _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_compiled_steps_in_inductors_cuda_graphs_give_the_eager_gradients_and_are_never_skipped():
+    # compile_options={"triton.cudagraphs": True}. The net's batch norm updates its running statistics, inputs the
+    # forward mutates: Inductor's graphs take them only when told that the model's buffers are static inputs, and
+    # otherwise skip the graph (counted in cudagraph_skips). Reads are not forbidden: recording a graph
+    # synchronises.
+    from torch._dynamo.utils import counters
+
+    counters["inductor"].clear()
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2, compile_options={"triton.cudagraphs": True})
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
