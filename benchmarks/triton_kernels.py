@@ -19,7 +19,7 @@ admitted to combo kernels, which Inductor otherwise forms on GPUs only (as the c
 
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
 tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
-zero-fills its floating-point arguments instead, so that the steps run as with all-zero values (no overflow, and the
+zero-fills its tensor arguments instead, so that the steps run as with all-zero values (no overflow, and the
 steps between refreshes come) and the count is the GPU's, kernel for kernel, at that shape. The batch is small (8 by
 default) to keep the eager parts quick; compiled GradScaler's nanoGPT step launches 175 kernels at batch 8 and at 64.
 
@@ -53,7 +53,7 @@ def triton_available() -> bool:
 
 
 _LAUNCHES: list[int] = []
-#: Whether a counted launch runs its kernel (by Triton's interpreter) or zero-fills its floating-point arguments.
+#: Whether a counted launch runs its kernel (by Triton's interpreter) or zero-fills its tensor arguments.
 _RUN_KERNELS = [True]
 
 
@@ -99,7 +99,7 @@ def _prepare_interpreter() -> list[int]:
         if _RUN_KERNELS[0]:
             return run(self, *args, **kwargs)
         for arg in args:  # outputs (and inputs: the values no longer matter) become zeros, never garbage
-            if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            if isinstance(arg, torch.Tensor):
                 arg.zero_()
         return None
 

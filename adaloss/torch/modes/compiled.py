@@ -57,6 +57,13 @@ class CompiledMode(ExecutionMode):
         self.options = dict(options or {})
         self._shapes_warned = False
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether Inductor wraps the compiled steps in its CUDA graphs (``triton.cudagraphs``, from the options or
+        Inductor's own config)."""
+        from torch._inductor import config
+        return bool({**INDUCTOR_OPTIONS, **self.options}.get("triton.cudagraphs", config.triton.cudagraphs))
+
     def may_compile(self, steps: "CompiledSteps") -> bool:
         """Whether ``steps`` may compile a graph now: always when chosen; by default within the graph budget (a
         warning, once, when the budget is spent)."""
@@ -197,7 +204,8 @@ class CompiledSteps:
         dtype, pure = compute_dtype(self.state)
         layout = Layout()
         static = static_graph(self.gm, ["adaloss_coefficients"],
-                              lambda module: reuse_call(module, layout, dtype, pure))
+                              lambda module: reuse_call(module, layout, dtype, pure),
+                              static_inputs=self.mode.cuda_graphs)
         try:
             self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)], self.mode.options)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
@@ -238,7 +246,7 @@ class CompiledSteps:
         dtype, pure = compute_dtype(state)
         trace = new_trace(self.gm, state, self.plan)
         static = static_graph(self.gm, ["adaloss_scalars", "adaloss_sink"], refresh_call(trace, dtype, pure),
-                              begin=trace.begin)
+                              begin=trace.begin, static_inputs=self.mode.cuda_graphs)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
                 compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)], self.mode.options)

@@ -235,10 +235,11 @@ def _inserted(node: fx.Node) -> Any:
 
 
 def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any], Callable[..., Any]],
-                 begin: Callable[..., Any] | None = None) -> fx.GraphModule:
+                 begin: Callable[..., Any] | None = None, static_inputs: bool = False) -> fx.GraphModule:
     """A copy of the transformed graph ``gm`` with new last inputs named ``inputs``, in which every inserted point's
     node calls ``make_call(point)`` and the node that started an execution of the scale state becomes the (one) new
-    input, or ``begin`` called on all of them."""
+    input, or ``begin`` called on all of them. ``static_inputs``: tell Inductor which inputs are the model's
+    parameters and buffers (:func:`_keep_static_inputs`), for its CUDA graphs."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
@@ -262,7 +263,8 @@ def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any
         node.meta = {}
     graph.lint()
     static = fx.GraphModule(gm, graph)
-    _keep_static_inputs(gm, static, copies, added)
+    if static_inputs:
+        _keep_static_inputs(gm, static, copies, added)
     return static
 
 
@@ -273,8 +275,10 @@ def _keep_static_inputs(gm: fx.GraphModule, static: fx.GraphModule, copies: dict
     model's parameters and buffers: the same tensors at every step. Inductor's CUDA graphs (``triton.cudagraphs``)
     need that: without it they copy every parameter into the graph at each replay (which would explain the
     nanoGPT's 79 more kernels per step with graphs, for 76 parameters) and give up on a forward that updates batch
-    norm's running statistics, inputs it mutates (ResNet-50 ran 2.26x slower on an H200); Inductor also takes them
-    as aligned when they are, as under ``torch.compile``. Graphs not captured by Dynamo are left as they are."""
+    norm's running statistics, inputs it mutates (ResNet-50 ran 2.26x slower on an H200). Only for them: without
+    graphs the marks cost launches, for a reason not traced yet (the nanoGPT's refresh at the GPU's shape: 312
+    Triton kernels against 292, ``python -m benchmarks.triton_kernels --gpu-shape``). Graphs not captured by Dynamo
+    are left as they are."""
     if "dynamo_compile_id" not in gm.meta:
         return
     for old in gm.graph.find_nodes(op="placeholder"):

@@ -268,23 +268,38 @@ def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monk
     # With a head the loss ignores (see _TwoHeads), and an overflow in the second step: the headroom is an input of
     # the refresh graph, so the steps after the back-off run the same graph and must store the eager factors at
     # the new headroom (half the old ones: a graph that kept the old headroom would store twice the eager factors).
-    # Inductor is told which inputs are the model's parameters and buffers, as under torch.compile: its CUDA graphs
-    # rely on it (without it they copy the parameters at every replay and skip a forward that updates batch norm's
-    # running statistics).
-    import torch._inductor.compile_fx as compile_fx
     from adaloss.torch.modes import compiled
 
-    compiles, static_inputs = [], []
+    compiles = []
     compile_static = compiled.compile_static
     monkeypatch.setattr(compiled, "compile_static", lambda *args: compiles.append(1) or compile_static(*args))
-    find_static = compile_fx.get_static_input_idxs
-    monkeypatch.setattr(compile_fx, "get_static_input_idxs",
-                        lambda *args: static_inputs.append(list(find_static(*args))) or static_inputs[-1])
+    static_inputs = _spy_static_inputs(monkeypatch)
     scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=4, period=1, net=_TwoHeads, overflow_at=1)
     assert len(scaler.state.names) == 5  # stem, two convs, fc and aux are scale points
     assert scaler.policy.headroom == 0.5 and len(compiles) == 1
+    # Without Inductor's CUDA graphs no input is marked static: the marks would cost launches (see the next test).
+    assert static_inputs == [[]]
+
+
+def _spy_static_inputs(monkeypatch) -> list:
+    """The static input indices Inductor is given for each forward it compiles, recorded as they are found."""
+    import torch._inductor.compile_fx as compile_fx
+
+    found = []
+    find = compile_fx.get_static_input_idxs
+    monkeypatch.setattr(compile_fx, "get_static_input_idxs", lambda *args: found.append(list(find(*args))) or found[-1])
+    return found
+
+
+def test_with_inductors_cuda_graphs_the_parameters_and_buffers_are_static_inputs(monkeypatch):
+    # compile_options={"triton.cudagraphs": True} (on a CPU Inductor skips the graphs themselves): Inductor is told
+    # which inputs are the model's parameters and buffers, as under torch.compile. Its graphs rely on it: without
+    # it they copy the parameters at every replay and skip a forward that updates batch norm's running statistics.
+    static_inputs = _spy_static_inputs(monkeypatch)
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=2, period=1,
+                                 compile_options={"triton.cudagraphs": True})
     model = scaler.model
-    held = len(list(model.parameters())) + len(list(model.buffers()))  # 13 parameters, batch norm's 3 buffers
+    held = len(list(model.parameters())) + len(list(model.buffers()))  # 11 parameters, batch norm's 3 buffers
     assert len(static_inputs) == 1 and len(static_inputs[0]) == held, static_inputs  # the forward's; not the batch
 
 
