@@ -87,6 +87,10 @@ class ScalePoint(nn.Module):
     summed into one input-gradient element), ``axes`` ((gy axis, W axis) of the summed dimension) and ``x_axis``
     (the feature axis of x that a weight-gradient element keeps)."""
 
+    #: Not read by the compiled mode's static calls while they are traced (``modes/cache_keys.py``): the scale state
+    #: (the eager steps' stored factors and float32 references).
+    cache_key_ignores = frozenset({"state"})
+
     kind = ""
     #: Whether each gradient's product needs the other operand too (a convolution's backward takes both, for their
     #: shapes).

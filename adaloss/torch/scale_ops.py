@@ -206,6 +206,9 @@ class BranchPoint(nn.Module):
     separately (a join): their gradients are brought to one common scale (docs/algorithm.md 2.3), which is written to
     ``in_slot``; a branch then sums them, a join hands each back to the operation's backward."""
 
+    #: Not read by the compiled mode's static calls while they are traced (``modes/cache_keys.py``): the scale state.
+    cache_key_ignores = frozenset({"state"})
+
     def __init__(self, state: ScaleState, name: str, fan_out: int, join: bool = False) -> None:
         super().__init__()
         object.__setattr__(self, "state", state)
@@ -302,6 +305,10 @@ class OutputPoint(nn.Module):
     whose backward sums up to ``fold`` terms of its output gradient into one low-precision element (an embedding's
     scatter-add, a broadcast parameter's sum over the batch, attention's sums over the sequence), the value passes
     unchanged and the gradient is only ever scaled down, as far as that sum needs to stay in range."""
+
+    #: Not read by the compiled mode's static calls while they are traced (``modes/cache_keys.py``): the scale state
+    #: (the eager steps' stored factors and float32 references).
+    cache_key_ignores = frozenset({"state"})
 
     def __init__(self, state: ScaleState, name: str, record: bool = True,
                  fold: AccumulationFold | None = None) -> None:

@@ -26,6 +26,7 @@ from adaloss.torch.scale_ops import compute_dtype
 from adaloss.torch.scale_state import GraphPlan, ScaleState
 
 from .base import ExecutionMode
+from .cache_keys import STATIC_CALL, cacheable_graph, source_digest, tracing_calls
 from .compiled_refresh import new_trace, refresh_call
 from .static_points import Layout, reuse_call, static_graph
 
@@ -131,8 +132,11 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
 
     Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
     sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
-    process or an earlier one: the cache lives on disk) loads its kernels instead of generating them again."""
+    process or an earlier one: both caches live on disk) loads its kernels instead of generating them again; and
+    with adaloss's nodes keyed (``cache_keys.py``), so that AOT autograd loads the forward and backward graphs
+    instead of tracing them again."""
     from torch._guards import TracingContext, tracing
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -140,8 +144,11 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
-    with tracing(TracingContext(fake_mode)):
-        return compile_fx(static, fakes, config_patches={**INDUCTOR_OPTIONS, **(options or {})})
+    calls = cacheable_graph(static)
+    marked = {**config.unsafe_marked_cacheable_functions, STATIC_CALL: source_digest()}
+    with tracing(TracingContext(fake_mode)), tracing_calls(calls):
+        return compile_fx(static, fakes, config_patches={**INDUCTOR_OPTIONS, **(options or {}),
+                                                         "unsafe_marked_cacheable_functions": marked})
 
 
 class CompiledSteps:

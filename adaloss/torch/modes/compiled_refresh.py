@@ -51,38 +51,42 @@ POINT_VALUES = ("unbound", "weight_unbound", "factor", "weight_factor", "weight_
 
 class RefreshWrites:
     """Where each value a refresh stores sits in the sink: per scale point a block of :data:`POINT_VALUES`, then
-    one entry per table slot, then one per cache (output and branch points, by name)."""
+    one entry per table slot, one *mark* per table slot (1 where the backward wrote the slot: the others keep the
+    loss scale, as an eager table does), then one per cache (output and branch points, by name).
+
+    The marks come out of the compiled graph, not out of its tracing, so that a graph loaded from AOT autograd's
+    cache (``cache_keys.py``), which is not traced, stores the same table."""
+
+    #: Not read while a graph is traced (``cache_keys.py``): the device copy of the point indices.
+    cache_key_ignores = frozenset({"_on_device"})
 
     def __init__(self, plan: GraphPlan, point_indices: list[int], cache_names: list[str]) -> None:
         self.point_indices = point_indices
         self.point_base = {index: k * len(POINT_VALUES) for k, index in enumerate(point_indices)}
         self.slot_base = len(point_indices) * len(POINT_VALUES)
-        self.num_slots = plan.num_slots
-        self.cache_base = {name: self.slot_base + max(plan.num_slots, 1) + k for k, name in enumerate(cache_names)}
-        self.size = self.slot_base + max(plan.num_slots, 1) + len(cache_names)
-        #: The slots the traced backward wrote (the others keep the loss scale, as an eager table does).
-        self.written_slots: set[int] = set()
-        self._on_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None
+        self.num_slots = max(plan.num_slots, 1)
+        self.mark_base = self.slot_base + self.num_slots
+        self.cache_base = {name: self.mark_base + self.num_slots + k for k, name in enumerate(cache_names)}
+        self.size = self.mark_base + self.num_slots + len(cache_names)
+        self._on_device: tuple[torch.device, torch.Tensor] | None = None
 
-    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The points' indices and the written slots' mask on ``device``, copied there once (a copy from pageable
-        host memory waits for the device)."""
+    def _indices(self, device: torch.device) -> torch.Tensor:
+        """The points' indices on ``device``, copied there once (a copy from pageable host memory waits for the
+        device)."""
         if self._on_device is None or self._on_device[0] != device:
-            written = torch.zeros(max(self.num_slots, 1), dtype=torch.bool)
-            written[sorted(self.written_slots)] = True
-            self._on_device = (device, torch.tensor(self.point_indices, dtype=torch.long).to(device),
-                               written.to(device))
-        return self._on_device[1], self._on_device[2]
+            self._on_device = (device, torch.tensor(self.point_indices, dtype=torch.long).to(device))
+        return self._on_device[1]
 
     def store(self, state: ScaleState, execution: Execution, values: torch.Tensor, loss_scale: torch.Tensor) -> None:
         """Copy a refresh's values (the sink's gradient) into the state and the execution's table: a few kernels
         and no host transfer."""
-        index, written = self._indices(values.device)
         if self.point_indices:
+            index = self._indices(values.device)
             block = values[:self.slot_base].reshape(-1, len(POINT_VALUES))
             for column, name in enumerate(POINT_VALUES):
                 state.arrays[name].index_copy_(0, index, block[:, column])
-        table = values[self.slot_base:self.slot_base + written.numel()]
+        table = values[self.slot_base:self.mark_base]
+        written = values[self.mark_base:self.mark_base + self.num_slots] != 0
         execution.table.copy_(torch.where(written, table, loss_scale))
         if self.cache_base:  # consecutive, in the order of cache_base
             start = min(self.cache_base.values())
@@ -93,6 +97,9 @@ class RefreshWrites:
 class _Trace:
     """What the refresh points share while Inductor traces the backward: the table slots written so far (traced
     0-d values), the sink's layout and the scale options. Reset by the graph's first node at every trace."""
+
+    #: Not read while a graph is traced, before its first node empties them (``cache_keys.py``): the traced values.
+    cache_key_ignores = frozenset({"slots"})
 
     def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan) -> None:
         self.writes, self.options = writes, state.options
@@ -115,11 +122,12 @@ class _Trace:
         """The headroom of this refresh (0-d), which every bound's top of the range is multiplied by."""
         return c[1]
 
-    def write(self, slot: int, value: torch.Tensor) -> None:
-        """A point's outgoing scale, for the points above it; the point also puts it in its sink gradient, for the
-        table the refresh stores."""
+    def write(self, slot: int, value: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """A point's outgoing scale, for the points above it; returns the sink entries the point adds for the table
+        the refresh stores (the value, and the slot's mark)."""
         self.slots[slot] = value
-        self.writes.written_slots.add(slot)
+        writes = self.writes
+        return [(writes.slot_base + slot, value), (writes.mark_base + slot, torch.ones_like(value))]
 
     def sink_gradient(self, entries: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """A vector of the sink's size holding ``entries`` (position, 0-d value) and zeros elsewhere."""
@@ -151,12 +159,11 @@ class _RefreshPoint(torch.autograd.Function):
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
                 gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
                 x_axis=point.x_axis, options=options, headroom=trace.headroom(c))
-        trace.write(point.in_slot, in_scale)
+        written = trace.write(point.in_slot, in_scale)
         grads = point_gradients(ctx, gy, needs, factor, weight_factor, weight_scale, accum)
         base = trace.writes.point_base[point.index]
         values = (unbound, weight_unbound, factor, weight_factor, weight_scale)
-        sink = trace.sink_gradient([(base + k, v) for k, v in enumerate(values)]
-                                   + [(trace.writes.slot_base + point.in_slot, in_scale)])
+        sink = trace.sink_gradient([(base + k, v) for k, v in enumerate(values)] + written)
         return None, None, None, None, sink, *grads
 
 
@@ -183,8 +190,7 @@ class _RefreshMerge(torch.autograd.Function):
         sink = None
         if len(present) == 1:
             scale = trace.read(c, point.out_slots[present[0]])
-            trace.write(point.in_slot, scale)
-            sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale)])
+            sink = trace.sink_gradient(trace.write(point.in_slot, scale))
         elif present:
             tensors = [grads[i] for i in present]
             limit = trace.options.range_for(tensors[0].dtype)[1] * trace.headroom(c)
@@ -195,9 +201,8 @@ class _RefreshMerge(torch.autograd.Function):
                 common, multipliers = branch_common_scale_with(ops_for(tensors[0]), tensors, scales, limit)
             for i, m in zip(present, multipliers):
                 out[i] = times(grads[i], m)
-            trace.write(point.in_slot, common)
-            sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, common),
-                                        (trace.writes.cache_base[point.name], common)])
+            sink = trace.sink_gradient(trace.write(point.in_slot, common)
+                                       + [(trace.writes.cache_base[point.name], common)])
         if point.join:
             return None, None, None, sink, *out
         total = None
@@ -223,9 +228,7 @@ class _RefreshOutput(torch.autograd.Function):
             factor = output_factor_with(ops_for(g), g, ctx.target, trace.options, trace.headroom(c),
                                         point.fold_for(g, tuple(operands)))
         scale = trace.read(c, point.out_slot) * factor
-        trace.write(point.in_slot, scale)
-        sink = trace.sink_gradient([(trace.writes.slot_base + point.in_slot, scale),
-                                    (trace.writes.cache_base[point.name], factor)])
+        sink = trace.sink_gradient(trace.write(point.in_slot, scale) + [(trace.writes.cache_base[point.name], factor)])
         return None, None, None, None, sink, times(g, factor).to(ctx.dtype), *(None for _ in operands)
 
 

@@ -259,8 +259,12 @@ def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any
                 node.target, node.args = begin, tuple(added)
         elif module is not None:
             node.target = make_call(module)
+    # No meta data but Dynamo's example value of each tensor whose method a node calls: AOT autograd's cache
+    # checks by it that the object is a tensor (cache_keys.py).
+    objects = {node.args[0] for node in graph.nodes if node.op == "call_method"}
     for node in graph.nodes:
-        node.meta = {}
+        kept = node in objects and "example_value" in node.meta
+        node.meta = {"example_value": node.meta["example_value"]} if kept else {}
     graph.lint()
     static = fx.GraphModule(gm, graph)
     if static_inputs:

@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 
 from adaloss.torch.scaler import LossScaler  # noqa: E402
 from adaloss.torch.modes.eager import EagerMode  # noqa: E402
+from adaloss.torch.modes.cache_keys import STATIC_CALL  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 
 from helpers import write_config  # noqa: E402
@@ -263,7 +264,7 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
     return scaler
 
 
-def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monkeypatch):
+def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monkeypatch, static_inputs):
     # Refreshes only (one compiled graph, for the suite's time): the steps between refreshes are compared in fp16.
     # With a head the loss ignores (see _TwoHeads), and an overflow in the second step: the headroom is an input of
     # the refresh graph, so the steps after the back-off run the same graph and must store the eager factors at
@@ -273,7 +274,6 @@ def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monk
     compiles = []
     compile_static = compiled.compile_static
     monkeypatch.setattr(compiled, "compile_static", lambda *args: compiles.append(1) or compile_static(*args))
-    static_inputs = _spy_static_inputs(monkeypatch)
     scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=4, period=1, net=_TwoHeads, overflow_at=1)
     assert len(scaler.state.names) == 5  # stem, two convs, fc and aux are scale points
     assert scaler.policy.headroom == 0.5 and len(compiles) == 1
@@ -281,21 +281,23 @@ def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monk
     assert static_inputs == [[]]
 
 
-def _spy_static_inputs(monkeypatch) -> list:
-    """The static input indices Inductor is given for each forward it compiles, recorded as they are found."""
+@pytest.fixture
+def static_inputs(monkeypatch):
+    """The static input indices Inductor is given for each forward it compiles, recorded as they are found (with
+    AOT autograd's cache off: a graph it loads from an earlier test is not compiled)."""
     import torch._inductor.compile_fx as compile_fx
 
     found = []
     find = compile_fx.get_static_input_idxs
     monkeypatch.setattr(compile_fx, "get_static_input_idxs", lambda *args: found.append(list(find(*args))) or found[-1])
-    return found
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield found
 
 
-def test_with_inductors_cuda_graphs_the_parameters_and_buffers_are_static_inputs(monkeypatch):
+def test_with_inductors_cuda_graphs_the_parameters_and_buffers_are_static_inputs(static_inputs):
     # compile_options={"triton.cudagraphs": True} (on a CPU Inductor skips the graphs themselves): Inductor is told
     # which inputs are the model's parameters and buffers, as under torch.compile. Its graphs rely on it: without
     # it they copy the parameters at every replay and skip a forward that updates batch norm's running statistics.
-    static_inputs = _spy_static_inputs(monkeypatch)
     scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=2, period=1,
                                  compile_options={"triton.cudagraphs": True})
     model = scaler.model
@@ -368,7 +370,9 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
             _gradients(model, scaler, x, y, None)
             scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
             scaler.update()
+    marked = [patches.pop("unsafe_marked_cacheable_functions") for patches in asked]
     assert asked == [{**compiled.INDUCTOR_OPTIONS, "triton.cudagraphs": True, "combo_kernels": False}] * 2
+    assert all(list(m) == [STATIC_CALL] for m in marked)  # adaloss's nodes, for AOT autograd's cache
 
 
 @pytest.mark.parametrize("method, kwargs, message", [
