@@ -88,15 +88,20 @@ def test_graphs_loaded_from_aot_autograds_cache_give_the_eager_gradients_factors
 def test_the_keys_change_with_the_scale_options(monkeypatch):
     # u_max changes every factor a refresh computes and no shape of its graph: a key without it would load the
     # other options' graph (a wrong factor).
+    # The keys only: the compiler is stopped once they are made (the steps then run eagerly, with a warning).
+    import torch._inductor.compile_fx as inductor
+
     keys = []
     make = compiled.cacheable_graph
     monkeypatch.setattr(compiled, "cacheable_graph", lambda gm: keys.append(set(calls := make(gm))) or calls)
+    monkeypatch.setattr(inductor, "compile_fx", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("keyed")))
     x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,))
     for options in ({}, {}, {"u_max": 4096.0}):
         torch.manual_seed(0)
         model = _Net()
         scaler = LossScaler(model, "adaptive", compile=True, **options)
-        _gradients(model, scaler, x, y, None)
+        with pytest.warns(RuntimeWarning, match="keyed"):
+            _gradients(model, scaler, x, y, None)
         scaler.update()
     same, again, other = keys
     assert same and same == again and not same & other
@@ -106,17 +111,17 @@ _SCRIPT = """
 import hashlib, json, sys
 import torch
 sys.path[:0] = [{tests!r}, {torch_tests!r}]
-from test_compiled_steps import _Net, _gradients
+from test_compiled_steps import _gradients
 from adaloss.torch.scaler import LossScaler
 from torch._dynamo.utils import counters
 torch.manual_seed(0)
 torch.set_num_threads(1)
-model = _Net()
-scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=2)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+scaler = LossScaler(model, "adaptive", compile=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 gen = torch.Generator().manual_seed(1)
-for step in range(4):
-    x, y = torch.randn(8, 1, 6, 6, generator=gen) * 4.0 ** step, torch.randint(0, 10, (8,), generator=gen)
+for step in range(3):
+    x, y = torch.randn(8, 6, generator=gen) * 4.0 ** step, torch.randint(0, 10, (8,), generator=gen)
     _gradients(model, scaler, x, y, torch.bfloat16)
     scaler.step(optimizer)
     scaler.update()
@@ -131,7 +136,9 @@ print(json.dumps({{"digest": digest, "steps": state.mode.steps,
 
 def test_a_second_process_loads_the_compiled_graphs_and_trains_bit_for_bit_alike(tmp_path):
     # The goal "cached across processes": the second process traces nothing (AOT autograd's and Inductor's caches
-    # hit for both graphs) and ends with the same weights, factors and caches, bit for bit.
+    # hit) and ends with the same weights, factors and caches, bit for bit. A small MLP's refreshes only, for the
+    # suite's time: the graph whose stored table depends on the marks of written slots (every kind of point, and
+    # the other graph, come from the cache in the test above).
     tests = _REPO / "tests"
     script = _SCRIPT.format(tests=str(tests), torch_tests=str(tests / "library" / "torch"))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(_REPO))
@@ -142,7 +149,7 @@ def test_a_second_process_loads_the_compiled_graphs_and_trains_bit_for_bit_alike
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["steps"] == second["steps"] == 4  # every step compiled: two refreshes, two between
-    assert first["aot"].get("autograd_cache_saved") == 2, first
-    assert second["aot"].get("autograd_cache_hit") == 2 and "autograd_cache_miss" not in second["aot"], second
+    assert first["steps"] == second["steps"] == 3  # every step a compiled refresh
+    assert first["aot"].get("autograd_cache_saved") == 1, first
+    assert second["aot"].get("autograd_cache_hit") == 1 and "autograd_cache_miss" not in second["aot"], second
     assert first["digest"] == second["digest"]
