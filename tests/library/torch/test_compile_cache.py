@@ -85,7 +85,7 @@ def test_graphs_loaded_from_aot_autograds_cache_give_the_eager_gradients_factors
     assert after["hit"] - before["hit"] == 2 and after["miss"] == before["miss"] and after["bypass"] == before["bypass"]
 
 
-def test_the_keys_change_with_the_scale_options(monkeypatch):
+def test_the_keys_change_with_the_scale_options_and_adaloss_source(monkeypatch):
     # u_max changes every factor a refresh computes and no shape of its graph: a key without it would load the
     # other options' graph (a wrong factor).
     # The keys only: the compiler is stopped once they are made (the steps then run eagerly, with a warning).
@@ -96,15 +96,17 @@ def test_the_keys_change_with_the_scale_options(monkeypatch):
     monkeypatch.setattr(compiled, "cacheable_graph", lambda gm: keys.append(set(calls := make(gm))) or calls)
     monkeypatch.setattr(inductor, "compile_fx", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("keyed")))
     x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,))
-    for options in ({}, {}, {"u_max": 4096.0}):
+    for options, source in (({}, None), ({}, None), ({"u_max": 4096.0}, None), ({}, "another adaloss")):
+        if source is not None:  # adaloss's code changed
+            monkeypatch.setattr(cache_keys, "_SOURCE_DIGEST", source)
         torch.manual_seed(0)
         model = _Net()
         scaler = LossScaler(model, "adaptive", compile=True, **options)
         with pytest.warns(RuntimeWarning, match="keyed"):
             _gradients(model, scaler, x, y, None)
         scaler.update()
-    same, again, other = keys
-    assert same and same == again and not same & other
+    same, again, other_options, other_source = keys
+    assert same and same == again and not same & other_options and not same & other_source
 
 
 _SCRIPT = """
