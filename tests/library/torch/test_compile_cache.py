@@ -85,6 +85,17 @@ def test_graphs_loaded_from_aot_autograds_cache_give_the_eager_gradients_factors
     assert after["hit"] - before["hit"] == 2 and after["miss"] == before["miss"] and after["bypass"] == before["bypass"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_loaded_from_aot_autograds_cache_give_the_eager_gradients_under_fp16_autocast():
+    # As above on a GPU, where the compiled steps are the default, under fp16 autocast and reading no device value.
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True)
+    before = _aot_counts()
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True)
+    after = _aot_counts()
+    assert after["hit"] - before["hit"] == 2 and after["miss"] == before["miss"] and after["bypass"] == before["bypass"]
+
+
 def test_the_keys_change_with_the_scale_options_and_adaloss_source(monkeypatch):
     # u_max changes every factor a refresh computes and no shape of its graph: a key without it would load the
     # other options' graph (a wrong factor).
