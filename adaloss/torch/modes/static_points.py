@@ -261,7 +261,7 @@ def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any
             node.target = make_call(module)
     # No meta data but Dynamo's example value of each tensor whose method a node calls: AOT autograd's cache
     # checks by it that the object is a tensor (cache_keys.py).
-    objects = {node.args[0] for node in graph.nodes if node.op == "call_method"}
+    objects = {node.args[0] for node in graph.nodes if node.op == "call_method" and isinstance(node.args[0], fx.Node)}
     for node in graph.nodes:
         kept = node in objects and "example_value" in node.meta
         node.meta = {"example_value": node.meta["example_value"]} if kept else {}
