@@ -321,5 +321,5 @@ def _compile_notice(scaler: LossScaler, device: str) -> str | None:
     if mode is None or not (mode.name == "compiled" or default_compiles):
         return None
     return ("Note: the adaptive steps are compiled by Inductor: the first steps take a minute or more (ResNet-50 "
-            "several), later runs of the same model load the kernels from Inductor's cache "
+            "several); later runs of the same model and options load them from torch's compile caches in seconds "
             "(training.compile: false runs eager steps, about 3x slower per step on a GPU)")
