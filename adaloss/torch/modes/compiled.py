@@ -145,10 +145,11 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
     calls = cacheable_graph(static)
-    marked = {**config.unsafe_marked_cacheable_functions, STATIC_CALL: source_digest()}
+    patches = {**INDUCTOR_OPTIONS, **(options or {})}
+    marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
+    patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: source_digest()}  # (the user's kept)
     with tracing(TracingContext(fake_mode)), tracing_calls(calls):
-        return compile_fx(static, fakes, config_patches={**INDUCTOR_OPTIONS, **(options or {}),
-                                                         "unsafe_marked_cacheable_functions": marked})
+        return compile_fx(static, fakes, config_patches=patches)
 
 
 class CompiledSteps:

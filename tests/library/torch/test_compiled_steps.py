@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 from adaloss.torch.scaler import LossScaler  # noqa: E402
 from adaloss.torch.modes.eager import EagerMode  # noqa: E402
-from adaloss.torch.modes.cache_keys import STATIC_CALL  # noqa: E402
+from adaloss.torch.modes.cache_keys import STATIC_CALL, source_digest  # noqa: E402
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 
 from helpers import write_config  # noqa: E402
@@ -362,8 +362,10 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", record)
     monkeypatch.setattr(default, "compiles_by_default", lambda device, warn=True: True)
     model = _Net()
+    mine = {"mine.cacheable_op": "1"}  # the user's own, kept beside adaloss's
     scaler = LossScaler(model, "adaptive", compile=compile, update_per_n_iteration=2,
-                        compile_options={"triton.cudagraphs": True, "combo_kernels": False})
+                        compile_options={"triton.cudagraphs": True, "combo_kernels": False,
+                                         "unsafe_marked_cacheable_functions": mine})
     x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,))
     with pytest.warns(RuntimeWarning, match="recorded"):
         for _ in range(2):
@@ -372,7 +374,7 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
             scaler.update()
     marked = [patches.pop("unsafe_marked_cacheable_functions") for patches in asked]
     assert asked == [{**compiled.INDUCTOR_OPTIONS, "triton.cudagraphs": True, "combo_kernels": False}] * 2
-    assert all(list(m) == [STATIC_CALL] for m in marked)  # adaloss's nodes, for AOT autograd's cache
+    assert marked == [{**mine, STATIC_CALL: source_digest()}] * 2  # adaloss's nodes, for AOT autograd's cache
 
 
 @pytest.mark.parametrize("method, kwargs, message", [
