@@ -30,6 +30,10 @@ What is compared, per model, on ONE set of seeded initial weights and the same s
   asked for): the same compiled with Inductor's CUDA graphs (``model.compile(mode="reduce-overhead")``, and
   ``LossScaler(..., compile=True, compile_options={"triton.cudagraphs": True})``), checked against eager
   GradScaler (the CUDA-graph goal) and against GradScaler compiled likewise.
+- ``adaptive-1-cooperative``, ``adaptive-100-cooperative`` (CUDA only, asked for): the compiled adaptive steps with
+  Inductor's cooperative reductions (``compile_options={"triton.cooperative_reductions": True}``): each statistic
+  of a refresh is one kernel, with the scaling of the gradient it read, instead of three; a candidate for the
+  default, measured beside it.
 
 Every variant runs the training step of the torch backend (``backends/torch/adapter.py``): float32 master weights,
 forward in the compute dtype through ``MixedPrecisionForward`` (parameters cast differentiably, float32 logits),
@@ -70,8 +74,9 @@ from typing import Any
 
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
-from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, CUDA_ONLY_VARIANTS,
-                                  EAGER_VARIANTS, GRAPH_VARIANTS, REDUCE_OVERHEAD_VARIANTS, REFERENCE, VARIANTS,
+from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, COOPERATIVE_VARIANTS,
+                                  CUDA_ONLY_VARIANTS, EAGER_VARIANTS, GRAPH_VARIANTS, REDUCE_OVERHEAD_VARIANTS,
+                                  REFERENCE, VARIANTS,
                                   Runner, Workload, build_initial, compiles,
                                   inductor_option, refresh_period, synchronizer, use_inductor_options, workload_for)
 
@@ -239,10 +244,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "character model at 256 tokens)")
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                         help="variants (gradscaler, the reference, is always included). Default on cuda: all but "
-                             "adaptive-N-compiled (the default adaptive-N compiles the same steps) and "
-                             "*-reduce-overhead (compiled with Inductor's CUDA graphs, a third compile); on cpu: "
+                             "adaptive-N-compiled (the default adaptive-N compiles the same steps), "
+                             "*-reduce-overhead (compiled with Inductor's CUDA graphs, a third compile) and "
+                             "*-cooperative (compiled with Inductor's cooperative reductions, likewise); on cpu: "
                              "all but the CUDA-only ones (*-graph: the whole step in a CUDA graph, "
-                             "*-reduce-overhead), the compiled ones (*-compiled, *-regional: compiled by Inductor, "
+                             "*-reduce-overhead, *-cooperative), the compiled ones (*-compiled, *-regional: compiled by Inductor, "
                              "seconds to minutes first) and *-eager (the cpu default is eager)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
@@ -296,15 +302,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.models is None:
         args.models = ["mlp", "resnet20"] if args.device == "cpu" else ["resnet50", "gpt", "resnet20", "mlp"]
-    graphs = [v for v in args.variants or () if v in CUDA_ONLY_VARIANTS]
-    if args.device == "cpu" and graphs:
-        parser.error(f"--variants {' '.join(graphs)}: CUDA graphs need --device cuda")
+    cuda_only = [v for v in args.variants or () if v in CUDA_ONLY_VARIANTS]
+    if args.device == "cpu" and cuda_only:
+        parser.error(f"--variants {' '.join(cuda_only)}: CUDA only (CUDA graphs, or Inductor's cooperative "
+                     "reductions, which it makes for GPUs only): use --device cuda")
     if args.variants is None:
         # On CUDA adaptive-N-compiled would repeat the default adaptive-N (the same compiled steps, compiled again:
-        # minutes on ResNet-50), and the reduce-overhead variants compile them a third time (asked for); on a CPU
-        # the default is the eager step.
+        # minutes on ResNet-50), and the reduce-overhead and cooperative variants compile them a third time (asked
+        # for); on a CPU the default is the eager step.
         args.variants = [v for v in VARIANTS
-                         if (v not in ADAPTIVE_COMPILED + REDUCE_OVERHEAD_VARIANTS if args.device != "cpu"
+                         if (v not in ADAPTIVE_COMPILED + REDUCE_OVERHEAD_VARIANTS + COOPERATIVE_VARIANTS
+                             if args.device != "cpu"
                              else v not in CUDA_ONLY_VARIANTS + COMPILED_VARIANTS + EAGER_VARIANTS)]
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE] + list(args.variants)

@@ -11,11 +11,14 @@ function, its Triton backend does not. With combo kernels the H200 took 1.47x an
 
 How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
 the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
-(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Three adjustments, all
+(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Four adjustments, all
 inside this process, make a CPU-only machine do it: a constant Triton backend hash (there is no GPU driver to ask),
-``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), and CPU kernels
-admitted to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
-``INDUCTOR_OPTIONS``). Kernel *launches* are counted (a kernel run twice counts twice), per step.
+``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), CPU kernels admitted
+to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
+``INDUCTOR_OPTIONS``), and the GPU's rule for cooperative reductions applied to CPU tensors, for the
+``*-cooperative`` variants (Inductor never makes them for a CPU). Kernel *launches* are counted (a kernel run twice
+counts twice), per step. The interpreter cannot run a cooperative kernel (its thread blocks wait for each other
+at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
 tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
@@ -68,7 +71,7 @@ def _prepare_interpreter() -> list[int]:
     import torch
     import torch.utils._triton as torch_triton
     import triton.language as tl
-    from torch._inductor import scheduler
+    from torch._inductor import choices, scheduler
     from torch._inductor.runtime import triton_helpers, triton_heuristics
 
     torch_triton.triton_hash_with_backend = lambda: "0" * 64  # no GPU driver to hash
@@ -90,6 +93,15 @@ def _prepare_interpreter() -> list[int]:
     namespace = dict(vars(scheduler))
     exec(source.replace('device.type == "cpu"', "False"), namespace)  # noqa: S102 (torch's own source)
     scheduler.ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(namespace[grouping.__name__])
+
+    # Inductor's rule for cooperative reductions, without its "never on a CPU".
+    rule = choices.InductorChoices.should_use_cooperative_reduction
+    source = textwrap.dedent(inspect.getsource(rule)).replace("@staticmethod\n", "")
+    if ' or device.type == "cpu"' not in source:
+        raise RuntimeError("this torch's cooperative-reduction rule changed: adapt benchmarks/triton_kernels.py")
+    namespace = dict(vars(choices))
+    exec(source.replace(' or device.type == "cpu"', ""), namespace)  # noqa: S102 (torch's own source)
+    choices.InductorChoices.should_use_cooperative_reduction = staticmethod(namespace[rule.__name__])
 
     _LAUNCHES.append(0)
     run = triton_heuristics.CachingAutotuner.run
@@ -117,17 +129,18 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     import torch
     from torch._inductor import config
 
-    from benchmarks.workloads import Runner, build_initial, workload_for
+    from benchmarks.workloads import COOPERATIVE_VARIANTS, Runner, build_initial, workload_for
 
     launches = _prepare_interpreter()
     if gpu_shape_batch is None:
         work = workload_for(model, "cpu", quick)
     else:
         work = replace(workload_for(model, "cuda", False), batch_size=gpu_shape_batch)
-    _RUN_KERNELS[0] = gpu_shape_batch is None if run_kernels is None else run_kernels
     initial, batches = build_initial(work, "cpu")
     found, models = {}, {}
     for name in variants:
+        run = gpu_shape_batch is None if run_kernels is None else run_kernels
+        _RUN_KERNELS[0] = run and name not in COOPERATIVE_VARIANTS  # (see the module docstring)
         torch._dynamo.reset()
         with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt"], choices=model_choices(),
                         help="models to count (default: gpt)")
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                        choices=[v for v in VARIANTS if v.endswith(("-compiled", "-regional"))],
+                        choices=[v for v in VARIANTS if v.endswith(("-compiled", "-regional", "-cooperative"))],
                         help=f"compiled variants (default: {' '.join(DEFAULT_VARIANTS)})")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--full", action="store_true", help="the CPU benchmark's sizes instead of --quick's "

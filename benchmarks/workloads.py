@@ -15,7 +15,8 @@ VARIANTS = ("gradscaler", "dynamic", "adaptive-1", "adaptive-100", "adaptive-1-e
             "dynamic-graph", "adaptive-1-graph", "adaptive-100-graph",
             "gradscaler-compiled", "adaptive-1-compiled", "adaptive-100-compiled",
             "adaptive-1-regional", "adaptive-100-regional",
-            "gradscaler-reduce-overhead", "adaptive-1-reduce-overhead", "adaptive-100-reduce-overhead")
+            "gradscaler-reduce-overhead", "adaptive-1-reduce-overhead", "adaptive-100-reduce-overhead",
+            "adaptive-1-cooperative", "adaptive-100-cooperative")
 #: ``adaptive-N``: the default configuration, ``LossScaler(model, "adaptive", update_per_n_iteration=N)``, which
 #: compiles its steps on CUDA and runs them eagerly on a CPU; ``adaptive-N-eager``: ``compile=False`` (on a CPU the
 #: same as the default, so left out there unless asked for).
@@ -28,11 +29,20 @@ GRAPH_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-graph"))
 REDUCE_OVERHEAD_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-reduce-overhead"))
 #: The reference of the reduce-overhead variants: GradScaler on the model compiled with Inductor's CUDA graphs.
 REDUCE_OVERHEAD_REFERENCE = "gradscaler-reduce-overhead"
+#: ``adaptive-N-cooperative`` (CUDA only): compiled with Inductor's cooperative reductions,
+#: ``compile_options={"triton.cooperative_reductions": True}``. A refresh's statistics are reductions of a whole
+#: gradient to one number, which Inductor otherwise splits into two kernels, and after them a third scales the
+#: gradient; a cooperative reduction's thread blocks combine their partial results through a grid barrier in one
+#: kernel, which can also scale the gradient it has just read. On a CPU Inductor never makes them (the option does
+#: nothing there); ``python -m benchmarks.triton_kernels`` counts them with the GPU's rule.
+COOPERATIVE_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-cooperative"))
+COOPERATIVE_OPTIONS = {"triton.cooperative_reductions": True}
 #: The variants that need a CUDA device.
-CUDA_ONLY_VARIANTS = GRAPH_VARIANTS + REDUCE_OVERHEAD_VARIANTS
+CUDA_ONLY_VARIANTS = GRAPH_VARIANTS + REDUCE_OVERHEAD_VARIANTS + COOPERATIVE_VARIANTS
 #: The variants whose model runs compiled by Inductor: ``torch.compile`` of the model for GradScaler, and
 #: ``LossScaler(compile=True)`` (refresh steps and steps between refreshes compiled) for adaptive.
-COMPILED_VARIANTS = tuple(v for v in VARIANTS if v.endswith(("-compiled", "-regional", "-reduce-overhead")))
+COMPILED_VARIANTS = tuple(v for v in VARIANTS
+                          if v.endswith(("-compiled", "-regional", "-reduce-overhead", "-cooperative")))
 #: ``adaptive-N-compiled``: ``compile=True``, on CUDA the same steps as the default ``adaptive-N``.
 ADAPTIVE_COMPILED = ("adaptive-1-compiled", "adaptive-100-compiled")
 #: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, compiled per repeated block.
@@ -165,7 +175,9 @@ class Runner:
         elif variant.startswith("adaptive-"):
             self.scaler = LossScaler(self.model, "adaptive", update_per_n_iteration=refresh_period(variant),
                                      compile=compiled,
-                                     compile_options={"triton.cudagraphs": True} if graphs else None)
+                                     compile_options=({"triton.cudagraphs": True} if graphs
+                                                      else COOPERATIVE_OPTIONS if variant in COOPERATIVE_VARIANTS
+                                                      else None))
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
         self.model.train()

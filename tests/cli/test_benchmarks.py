@@ -136,7 +136,7 @@ def test_reduce_overhead_variants_compile_with_inductors_cuda_graphs_and_are_che
     assert isinstance(reference.scaler, torch.amp.GradScaler) and asked == [{"mode": "reduce-overhead"}]
     with pytest.raises(SystemExit) as refused:
         parse_args(["--variants", "adaptive-1-reduce-overhead"])
-    assert refused.value.code == 2 and "CUDA graphs need --device cuda" in capsys.readouterr().err
+    assert refused.value.code == 2 and "CUDA only" in capsys.readouterr().err
     assert not any(v.endswith("-reduce-overhead") for v in parse_args(["--device", "cuda"]).variants)
 
     times = {"gradscaler": [[1.0, 1.0]], "gradscaler-compiled": [[0.85, 0.85]],
@@ -150,6 +150,36 @@ def test_reduce_overhead_variants_compile_with_inductors_cuda_graphs_and_are_che
     own = checks["adaptive-1-reduce-overhead/gradscaler-reduce-overhead step time"]
     assert own["value"] == pytest.approx(1.2) and own["limit"] == 1.10 and not own["pass"]
     assert not any("reduce-overhead/gradscaler-compiled" in goal for goal in checks)
+
+
+def test_cooperative_variants_ask_inductor_for_cooperative_reductions_and_are_held_to_the_defaults_goals(capsys):
+    """*-cooperative: the compiled adaptive steps with compile_options={"triton.cooperative_reductions": True}, a
+    candidate for the CUDA default, so held to its goals (and to the compiled goals against compiled GradScaler);
+    CUDA only (Inductor makes cooperative reductions for GPUs only), and asked for, not run by default."""
+    from benchmarks.report import report_model
+    from benchmarks.step_time import parse_args, summarise_times
+    from benchmarks.workloads import Runner, build_initial, workload_for
+
+    initial, _ = build_initial(workload_for("mlp", "cpu", True), "cpu")
+    adaptive = Runner("adaptive-100-cooperative", initial, "float16", "cpu")
+    assert adaptive.scaler.state.mode.name == "compiled"
+    assert adaptive.scaler.state.mode.options == {"triton.cooperative_reductions": True}
+    assert adaptive.scaler.state.options.update_per_n_iteration == 100
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--variants", "adaptive-1-cooperative"])
+    assert refused.value.code == 2 and "cooperative reductions" in capsys.readouterr().err
+    assert not any(v.endswith("-cooperative") for v in parse_args(["--device", "cuda"]).variants)
+    assert parse_args(["--device", "cuda", "--variants", "adaptive-1-cooperative"]).variants == [
+        "gradscaler", "adaptive-1-cooperative"]
+
+    times = {"gradscaler": [[1.0, 1.0]], "gradscaler-compiled": [[0.85, 0.85]],
+             "adaptive-1-cooperative": [[1.04, 1.04]]}
+    checks = {c["goal"]: c for c in report_model(workload_for("gpt", "cuda", False), "cuda", "float16",
+                                                 summarise_times(times), {}, {})}
+    default_goal = checks["adaptive-1-cooperative/gradscaler step time"]
+    assert default_goal["limit"] == 1.05 and default_goal["pass"]
+    own = checks["adaptive-1-cooperative/gradscaler-compiled step time"]
+    assert own["value"] == pytest.approx(1.04 / 0.85) and own["limit"] == 1.10 and not own["pass"]
 
 
 def test_chainer_benchmark_runs_through_the_same_command():

@@ -146,10 +146,25 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
              for x in example_inputs]
     calls = cacheable_graph(static)
     patches = {**INDUCTOR_OPTIONS, **(options or {})}
+    if (patches.get("triton.cooperative_reductions", config.triton.cooperative_reductions)
+            or patches.get("triton.force_cooperative_reductions", config.triton.force_cooperative_reductions)):
+        _name_workspaces()  # (also when asked for through Inductor's own config or environment)
     marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
     patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: source_digest()}  # (the user's kept)
     with tracing(TracingContext(fake_mode)), tracing_calls(calls):
         return compile_fx(static, fakes, config_patches=patches)
+
+
+def _name_workspaces() -> None:
+    """Work around an Inductor bug that cooperative reductions meet (torch 2.11 to 2.13 at least): when a graph's
+    generated code ends with the release of a cooperative kernel's workspace, the wrapper's memory planning reads
+    ``.name`` of every trailing line's buffer, which a ``WorkspaceArg`` lacks (it has ``get_name()``), and the
+    compilation fails (``AttributeError: 'WorkspaceArg' object has no attribute 'name'``). Giving it the same name
+    as a read-only property is all the planning needs (nothing in torch sets it, or tells buffers apart by it)."""
+    from torch._inductor.codegen.common import WorkspaceArg
+
+    if not hasattr(WorkspaceArg, "name"):
+        WorkspaceArg.name = property(lambda self: self.get_name())
 
 
 class CompiledSteps:

@@ -377,6 +377,25 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
     assert marked == [{**mine, STATIC_CALL: source_digest()}] * 2  # adaloss's nodes, for AOT autograd's cache
 
 
+def test_cooperative_reductions_compile_with_inductors_workspaces_named(monkeypatch):
+    # Inductor's code planning reads `.name` of a cooperative kernel's workspace when that kernel ends the graph
+    # (a torch bug: WorkspaceArg has get_name() only), so compiling fails; compile_static names them first when the
+    # option is on. (On a CPU Inductor makes no cooperative kernel: the CUDA tests compile them.)
+    import sympy
+    from torch._inductor.codegen.common import WorkspaceArg, WorkspaceZeroMode
+
+    monkeypatch.delattr(WorkspaceArg, "name", raising=False)
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("recorded")))
+    model = _Net()
+    scaler = LossScaler(model, "adaptive", compile=True, compile_options={"triton.cooperative_reductions": True})
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        _gradients(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)), None)
+    workspace = WorkspaceArg(count=sympy.Integer(64), zero_mode=WorkspaceZeroMode.UNINITIALIZED,
+                             device=torch.device("cuda"), outer_name="workspace_0")
+    assert workspace.name == workspace.get_name() == "workspace_0"
+
+
 @pytest.mark.parametrize("method, kwargs, message", [
     ("adaptive", {"compile_options": {"cudagraphs": True}}, "'cudagraphs' is not an Inductor option"),
     ("adaptive", {"compile_options": {"triton.cudagraphs": 1}}, "triton.cudagraphs takes a value of type bool"),
@@ -450,6 +469,16 @@ def test_compiled_adaptive_training_from_the_command_line_matches_eager(invoke, 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autocast():
     _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_compiled_steps_with_cooperative_reductions_give_the_eager_gradients_and_refreshes():
+    # compile_options={"triton.cooperative_reductions": True} (the benchmark's *-cooperative variants) takes
+    # reductions of 32768 elements and more; this net's are smaller, so every reduction is forced cooperative:
+    # each statistic, and the scaling of the gradient it read, in one kernel whose blocks meet at a grid barrier.
+    _compare_with_eager("cuda", torch.float16, rtol=1e-2, forbid_reads=True,
+                        compile_options={"triton.force_cooperative_reductions": True})
 
 
 @pytest.mark.cuda
