@@ -60,14 +60,25 @@ _LAUNCHES: list[int] = []
 _RUN_KERNELS = [True]
 
 
-def _prepare_interpreter() -> list[int]:
-    """The three adjustments of the module docstring, once per process; returns the launch counter (one element,
-    reset by the caller), which every Triton kernel Inductor runs increments."""
-    if _LAUNCHES:
-        return _LAUNCHES
+def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, what: str) -> Any:
+    """torch's static ``function`` (of ``module``) compiled again from its source with ``test``, the test that keeps
+    CPU tensors out, replaced."""
     import inspect
     import textwrap
 
+    source = textwrap.dedent(inspect.getsource(function)).replace("@staticmethod\n", "")
+    if test not in source:
+        raise RuntimeError(f"this torch's {what} changed: adapt benchmarks/triton_kernels.py")
+    namespace = dict(vars(module))
+    exec(source.replace(test, replacement), namespace)  # noqa: S102 (torch's own source)
+    return namespace[function.__name__]
+
+
+def _prepare_interpreter() -> list[int]:
+    """The four adjustments of the module docstring, once per process; returns the launch counter (one element,
+    reset by the caller), which every Triton kernel Inductor runs increments."""
+    if _LAUNCHES:
+        return _LAUNCHES
     import torch
     import torch.utils._triton as torch_triton
     import triton.language as tl
@@ -87,21 +98,12 @@ def _prepare_interpreter() -> list[int]:
 
     # Inductor's own grouping of independent kernels into combo kernels, with CPU kernels admitted like a GPU's.
     grouping = scheduler.ForeachKernelSchedulerNode._default_group_nodes_for_combo_kernels
-    source = textwrap.dedent(inspect.getsource(grouping)).replace("@staticmethod\n", "")
-    if 'device.type == "cpu"' not in source:
-        raise RuntimeError("this torch's combo-kernel grouping changed: adapt benchmarks/triton_kernels.py")
-    namespace = dict(vars(scheduler))
-    exec(source.replace('device.type == "cpu"', "False"), namespace)  # noqa: S102 (torch's own source)
-    scheduler.ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(namespace[grouping.__name__])
-
+    scheduler.ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(
+        _without_cpu_test(grouping, scheduler, 'device.type == "cpu"', "False", "combo-kernel grouping"))
     # Inductor's rule for cooperative reductions, without its "never on a CPU".
     rule = choices.InductorChoices.should_use_cooperative_reduction
-    source = textwrap.dedent(inspect.getsource(rule)).replace("@staticmethod\n", "")
-    if ' or device.type == "cpu"' not in source:
-        raise RuntimeError("this torch's cooperative-reduction rule changed: adapt benchmarks/triton_kernels.py")
-    namespace = dict(vars(choices))
-    exec(source.replace(' or device.type == "cpu"', ""), namespace)  # noqa: S102 (torch's own source)
-    choices.InductorChoices.should_use_cooperative_reduction = staticmethod(namespace[rule.__name__])
+    choices.InductorChoices.should_use_cooperative_reduction = staticmethod(
+        _without_cpu_test(rule, choices, ' or device.type == "cpu"', "", "cooperative-reduction rule"))
 
     _LAUNCHES.append(0)
     run = triton_heuristics.CachingAutotuner.run
@@ -169,6 +171,8 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
         print(f"  {name:<24}{cells}")
     print("  refresh: the first step (adaptive: a refresh); steady: the last of "
           f"{STEPS} (adaptive-N: a step between refreshes)")
+    if not shape and any(name.endswith("-cooperative") for name in found):
+        print("  *-cooperative: generated but not run (the interpreter cannot run a cooperative kernel)")
 
 
 def main(argv: list[str] | None = None) -> int:
