@@ -81,6 +81,8 @@ from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILE
                                   inductor_option, refresh_period, synchronizer, use_inductor_options, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Untimed steps at least, where a variant compiles: its first two steps compile (see ``main``).
+COMPILED_WARMUP = 2
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------
@@ -255,7 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="compute dtype under test (default float16; fp32 master weights either way)")
     parser.add_argument("--batch-size", type=int, help="override every model's batch size")
     parser.add_argument("--steps", type=int, help="timed steps per variant per repeat")
-    parser.add_argument("--warmup", type=int, help="untimed steps per variant first")
+    parser.add_argument("--warmup", type=int, help="untimed steps per variant first (default: the workload's, at "
+                        f"least {COMPILED_WARMUP} when a variant compiles: its first two steps compile)")
     parser.add_argument("--repeats", type=int, help="repeats (each a block of --steps interleaved steps)")
     parser.add_argument("--threads", type=int,
                         help="torch.set_num_threads; 0 = torch's choice. Default 1 on cpu (OpenMP's spin-waiting "
@@ -345,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.memory_jobs or ((os.cpu_count() or 1) if kind == "cpu" else 1)
     results: dict[str, Any] = {"environment": env, "arguments": vars(args), "models": {}, "checks": []}
     works = {name: workload_for(name, kind, args.quick, args) for name in args.models}
+    if args.warmup is None and any(compiles(v, args.device) for v in args.variants):
+        # A compiled adaptive-N (N > 1) compiles its steps between refreshes at its second step: untimed, or a
+        # short timed run (--quick's) would report a compile as its step time.
+        works = {name: replace(work, warmup=max(work.warmup, COMPILED_WARMUP)) for name, work in works.items()}
     measures = (TENSORS,) if kind == "cuda" else (TENSORS, RSS)
     probes = {(model, variant, measure): {"workload": asdict(work), "variant": variant, "device": args.device,
                                           "dtype": args.dtype, "threads": args.threads, "measure": measure,
