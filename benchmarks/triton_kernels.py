@@ -124,12 +124,17 @@ def _prepare_interpreter() -> list[int]:
 def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False,
                   gpu_shape_batch: int | None = None, run_kernels: bool | None = None) -> Any:
     """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
-    steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``).
+    steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), and
+    the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
+    ``steady_mb``: its ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken
+    as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend).
     ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
     CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
     without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
+    import logging
+
     import torch
-    from torch._inductor import config
+    from torch._inductor import config, metrics
 
     from benchmarks.workloads import COOPERATIVE_VARIANTS, Runner, build_initial, workload_for
 
@@ -140,34 +145,47 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         work = replace(workload_for(model, "cuda", False), batch_size=gpu_shape_batch)
     initial, batches = build_initial(work, "cpu")
     found, models = {}, {}
+    log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # Inductor counts bytes when enabled
+    level = log.level
+    log.setLevel(logging.INFO)
     for name in variants:
         run = gpu_shape_batch is None if run_kernels is None else run_kernels
         _RUN_KERNELS[0] = run and name not in COOPERATIVE_VARIANTS  # (see the module docstring)
         torch._dynamo.reset()
         with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
-            counts = []
+            counts, megabytes = [], []
             for k in range(STEPS):
                 launches[0] = 0
+                metrics.reset()
                 runner.step(*batches[k % len(batches)])
                 counts.append(launches[0])
-        found[name] = {"refresh": counts[0], "steady": counts[-1]}
+                megabytes.append(metrics.num_bytes_accessed / 1e6)
+        # A graph's bytes are counted when it compiles: the steady step's are those of the last step that compiled
+        # (adaptive-N's second; for the others the first, whose graphs every step runs).
+        steady_mb = next(mb for mb in reversed(megabytes) if mb) if any(megabytes) else 0.0
+        found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_mb": megabytes[0],
+                       "steady_mb": steady_mb}
         models[name] = runner.model
+    log.setLevel(level)
     return (found, models) if keep_models else found
 
 
 def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> None:
     """Print :func:`count_kernels`' table with ratios to compiled GradScaler; ``shape``: where the sizes came from
     when not the CPU benchmark's (``--gpu-shape``)."""
-    base = found.get(REFERENCE, {}).get("steady")
     how = f"at {shape}, generated but not run" if shape else "run by Triton's interpreter on CPU"
-    print(f"\n{model}: Triton kernels launched per compiled step (Inductor's Triton backend, {how})")
-    print(f"  {'variant':<24} {'refresh':>8} {'x ' + REFERENCE:>22} {'steady':>8} {'x ' + REFERENCE:>22}")
+    print(f"\n{model}: Triton kernels launched per compiled step (Inductor's Triton backend, {how}), and the "
+          "MB its kernels read and write (Inductor's count)")
+    print(f"  {'variant':<24} {'refresh':>8} {'x ' + REFERENCE:>22} {'steady':>8} {'x ' + REFERENCE:>22}"
+          f" {'refresh MB':>11} {'x':>5} {'steady MB':>10} {'x':>5}")
     for name, row in found.items():
         cells = ""
-        for kind in ("refresh", "steady"):
+        for kind in ("refresh", "steady", "refresh_mb", "steady_mb"):
+            base = found.get(REFERENCE, {}).get("steady_mb" if kind.endswith("_mb") else "steady")
             ratio = f"{row[kind] / base:.2f}" if base else "-"
-            cells += f" {row[kind]:>8d} {ratio:>22}"
+            cells += (f" {row[kind]:>8d} {ratio:>22}" if not kind.endswith("_mb")
+                      else f" {row[kind]:>{11 if kind == 'refresh_mb' else 10}.1f} {ratio:>5}")
         print(f"  {name:<24}{cells}")
     print("  refresh: the first step (adaptive: a refresh); steady: the last of "
           f"{STEPS} (adaptive-N: a step between refreshes)")
