@@ -377,18 +377,25 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
     assert marked == [{**mine, STATIC_CALL: source_digest()}] * 2  # adaloss's nodes, for AOT autograd's cache
 
 
-def test_cooperative_reductions_compile_with_inductors_workspaces_named(monkeypatch):
+@pytest.mark.parametrize("through", ["compile_options", "inductor_config"])
+def test_cooperative_reductions_compile_with_inductors_workspaces_named(monkeypatch, through):
     # Inductor's code planning reads `.name` of a cooperative kernel's workspace when that kernel ends the graph
     # (a torch bug: WorkspaceArg has get_name() only), so compiling fails; compile_static names them first when the
-    # option is on. (On a CPU Inductor makes no cooperative kernel: the CUDA tests compile them.)
+    # option is on, asked for by the scaler's options or by Inductor's own config (its environment variable, the
+    # command line's way). (On a CPU Inductor makes no cooperative kernel: the CUDA tests compile them.)
     import sympy
+    from torch._inductor import config
     from torch._inductor.codegen.common import WorkspaceArg, WorkspaceZeroMode
 
     monkeypatch.delattr(WorkspaceArg, "name", raising=False)
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("recorded")))
+    options = {"triton.cooperative_reductions": True}
+    if through == "inductor_config":
+        monkeypatch.setattr(config.triton, "cooperative_reductions", True)
     model = _Net()
-    scaler = LossScaler(model, "adaptive", compile=True, compile_options={"triton.cooperative_reductions": True})
+    scaler = LossScaler(model, "adaptive", compile=True,
+                        compile_options=options if through == "compile_options" else None)
     with pytest.warns(RuntimeWarning, match="recorded"):
         _gradients(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)), None)
     workspace = WorkspaceArg(count=sympy.Integer(64), zero_mode=WorkspaceZeroMode.UNINITIALIZED,
