@@ -76,9 +76,8 @@ from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
 from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, COOPERATIVE_VARIANTS,
                                   CUDA_ONLY_VARIANTS, EAGER_VARIANTS, GRAPH_VARIANTS, REDUCE_OVERHEAD_VARIANTS,
-                                  REFERENCE, VARIANTS,
-                                  Runner, Workload, build_initial, compiles,
-                                  inductor_option, refresh_period, synchronizer, use_inductor_options, workload_for)
+                                  REFERENCE, VARIANTS, Runner, Workload, build_initial, compiles, inductor_option,
+                                  refresh_period, synchronizer, use_inductor_options, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Untimed steps at least, where a variant compiles: its first two steps compile (see ``main``).
@@ -250,8 +249,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "*-reduce-overhead (compiled with Inductor's CUDA graphs, a third compile) and "
                              "*-cooperative (compiled with Inductor's cooperative reductions, likewise); on cpu: "
                              "all but the CUDA-only ones (*-graph: the whole step in a CUDA graph, "
-                             "*-reduce-overhead, *-cooperative), the compiled ones (*-compiled, *-regional: compiled by Inductor, "
-                             "seconds to minutes first) and *-eager (the cpu default is eager)")
+                             "*-reduce-overhead, *-cooperative), the compiled ones (*-compiled, *-regional: "
+                             "compiled by Inductor, seconds to minutes first) and *-eager (the cpu default is "
+                             "eager)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="compute dtype under test (default float16; fp32 master weights either way)")
