@@ -391,13 +391,14 @@ def test_cooperative_reductions_compile_with_inductors_workspaces_named(monkeypa
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("recorded")))
     options = {"triton.cooperative_reductions": True}
-    if through == "inductor_config":
-        monkeypatch.setattr(config.triton, "cooperative_reductions", True)
     model = _Net()
     scaler = LossScaler(model, "adaptive", compile=True,
                         compile_options=options if through == "compile_options" else None)
-    with pytest.warns(RuntimeWarning, match="recorded"):
+    # (Inductor's config patched its own way: monkeypatch's undo breaks its sub-configs)
+    with config.patch(options if through == "inductor_config" else {}), \
+            pytest.warns(RuntimeWarning, match="recorded"):
         _gradients(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)), None)
+    assert config.triton.cooperative_reductions is False
     workspace = WorkspaceArg(count=sympy.Integer(64), zero_mode=WorkspaceZeroMode.UNINITIALIZED,
                              device=torch.device("cuda"), outer_name="workspace_0")
     assert workspace.name == workspace.get_name() == "workspace_0"
