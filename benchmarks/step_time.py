@@ -86,6 +86,15 @@ COMPILED_WARMUP = 2
 
 # -- timing ---------------------------------------------------------------------------------------------------------
 
+def compile_warmup(work: Workload, args: argparse.Namespace) -> Workload:
+    """``work`` with at least :data:`COMPILED_WARMUP` untimed steps where a variant compiles and ``--warmup`` was
+    not given: a compiled adaptive-N (N > 1) compiles its steps between refreshes at its second step, which a short
+    timed run (``--quick``'s) would otherwise report as its step time."""
+    if args.warmup is None and any(compiles(v, args.device) for v in args.variants):
+        return replace(work, warmup=max(work.warmup, COMPILED_WARMUP))
+    return work
+
+
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str,
                   warmup: dict[str, list[float]] | None = None) -> dict[str, list]:
     """Per-step seconds of every variant, one list per repeat; variants interleaved step by step. A slow warm-up
@@ -347,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(other processes add noise; the interleaving spreads it over all variants)")
     jobs = args.memory_jobs or ((os.cpu_count() or 1) if kind == "cpu" else 1)
     results: dict[str, Any] = {"environment": env, "arguments": vars(args), "models": {}, "checks": []}
-    works = {name: workload_for(name, kind, args.quick, args) for name in args.models}
-    if args.warmup is None and any(compiles(v, args.device) for v in args.variants):
-        # A compiled adaptive-N (N > 1) compiles its steps between refreshes at its second step: untimed, or a
-        # short timed run (--quick's) would report a compile as its step time.
-        works = {name: replace(work, warmup=max(work.warmup, COMPILED_WARMUP)) for name, work in works.items()}
+    works = {name: compile_warmup(workload_for(name, kind, args.quick, args), args) for name in args.models}
     measures = (TENSORS,) if kind == "cuda" else (TENSORS, RSS)
     probes = {(model, variant, measure): {"workload": asdict(work), "variant": variant, "device": args.device,
                                           "dtype": args.dtype, "threads": args.threads, "measure": measure,
