@@ -128,13 +128,14 @@ def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, 
 def compile_static(static: fx.GraphModule, example_inputs: list,
                    options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """``static`` compiled by Inductor, forward and backward, for ``example_inputs``' shapes, with
-    :data:`INDUCTOR_OPTIONS` and ``options`` on top.
+    :data:`INDUCTOR_OPTIONS` and ``options`` on top; a compiler failure in either is raised here.
 
     Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
     sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
     process or an earlier one: both caches live on disk) loads its kernels instead of generating them again; and
     with adaloss's nodes keyed (``cache_keys.py``), so that AOT autograd loads the forward and backward graphs
     instead of tracing them again."""
+    from torch._functorch import config as functorch_config
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
@@ -151,7 +152,10 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
         _name_workspaces()  # (also when asked for through Inductor's own config or environment)
     marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
     patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: source_digest()}  # (the user's kept)
-    with tracing(TracingContext(fake_mode)), tracing_calls(calls):
+    # The backward is lowered here too, not lazily at its first call (AOT autograd's default), where a compiler
+    # failure would be raised out of the user's backward() instead of falling back to the eager steps.
+    with (tracing(TracingContext(fake_mode)), tracing_calls(calls),
+          functorch_config.patch(force_non_lazy_backward_lowering=True)):
         return compile_fx(static, fakes, config_patches=patches)
 
 

@@ -319,11 +319,16 @@ def test_compiled_steps_give_the_eager_gradients_and_guards_in_pure_fp16():
     assert len(guards) == 3, guards  # batch norm, layer norm, attention
 
 
-def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch):
+# Inductor compiles a backward lazily, at its first call, by default: inside the user's ``backward()``, where its
+# failure would stop training (seen on the H200 with ``cpp_wrapper``: the compiled forward ran, and its backward
+# raised an InductorError out of ``loss.backward()``). The compiled steps lower both at once, so that either fails
+# before anything runs compiled.
+@pytest.mark.parametrize("failing", ["compile_fx", "compile_fx_backward"])
+def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch, failing):
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fail)
+    monkeypatch.setattr(f"torch._inductor.compile_fx.{failing}", fail)
     torch.manual_seed(0)
     model = _Net()
     reference = _Net()
