@@ -486,6 +486,8 @@ def test_cuda_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_a
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="Inductor before 2.13 cannot force a reduction smaller than "
+                    "its split cooperative (AssertionError 'rnumel >= split', H200 with torch 2.11)")
 def test_cuda_compiled_steps_with_cooperative_reductions_give_the_eager_gradients_and_refreshes():
     # compile_options={"triton.cooperative_reductions": True} (the benchmark's *-cooperative variants) takes
     # reductions of 32768 elements and more; this net's are smaller, so every reduction is forced cooperative:
