@@ -58,6 +58,11 @@ def triton_available() -> bool:
 _LAUNCHES: list[int] = []
 #: Whether a counted launch runs its kernel (by Triton's interpreter) or zero-fills its tensor arguments.
 _RUN_KERNELS = [True]
+#: Per kernel (its generated module's file), the Triton configs Inductor gave it: on a GPU each is compiled by
+#: Triton at the first step and, when there are several, timed at the kernel's first launch (autotuning).
+_CONFIGS: dict[str, int] = {}
+#: The kernels (module files) launched since the caller last cleared it.
+_LAUNCHED: set[str] = set()
 
 
 def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, what: str) -> Any:
@@ -107,9 +112,18 @@ def _prepare_interpreter() -> list[int]:
 
     _LAUNCHES.append(0)
     run = triton_heuristics.CachingAutotuner.run
+    autotune = triton_heuristics.cached_autotune
+
+    def recorded(size_hints: Any, configs: list, *args: Any, **kwargs: Any) -> Any:
+        # Called as a kernel's module loads (once per kernel and process), with the configs a GPU would compile.
+        _CONFIGS[kwargs.get("filename", args[2] if len(args) > 2 else None)] = len(configs)
+        return autotune(size_hints, configs, *args, **kwargs)
+
+    triton_heuristics.cached_autotune = recorded  # (the heuristics call it by its module-level name)
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         _LAUNCHES[0] += 1
+        _LAUNCHED.add(self.filename)
         if _RUN_KERNELS[0]:
             return run(self, *args, **kwargs)
         for arg in args:  # outputs (and inputs: the values no longer matter) become zeros, never garbage
@@ -127,7 +141,9 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), and
     the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
     ``steady_mb``: its ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken
-    as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend).
+    as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
+    compiles for the kernels the steps launched (``distinct`` kernels, and their ``configs``: Triton compiles one
+    binary per config at the first step, and times them at the first launch where there are several).
     ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
     CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
     without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
@@ -155,6 +171,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
             counts, megabytes = [], []
+            _LAUNCHED.clear()
             for k in range(STEPS):
                 launches[0] = 0
                 metrics.reset()
@@ -165,7 +182,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         # (adaptive-N's second; for the others the first, whose graphs every step runs).
         steady_mb = next(mb for mb in reversed(megabytes) if mb) if any(megabytes) else 0.0
         found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_mb": megabytes[0],
-                       "steady_mb": steady_mb}
+                       "steady_mb": steady_mb, "distinct": len(_LAUNCHED),
+                       "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED)}
         models[name] = runner.model
     log.setLevel(level)
     return (found, models) if keep_models else found
@@ -189,6 +207,12 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
         print(f"  {name:<24}{cells}")
     print("  refresh: the first step (adaptive: a refresh); steady: the last of "
           f"{STEPS} (adaptive-N: a step between refreshes)")
+    print("  what a GPU compiles at the first steps: the distinct kernels launched, and their Triton configs (one "
+          "binary each, timed at the kernel's first launch where there are several)")
+    for name, row in found.items():
+        base = found.get(REFERENCE, {})
+        ratios = [f"{row[k] / base[k]:.2f}x" if base.get(k) else "-" for k in ("distinct", "configs")]
+        print(f"  {name:<24} {row['distinct']:>5d} kernels ({ratios[0]}), {row['configs']:>5d} configs ({ratios[1]})")
     if not shape and any(name.endswith("-cooperative") for name in found):
         print("  *-cooperative: generated but not run (the interpreter cannot run a cooperative kernel)")
 

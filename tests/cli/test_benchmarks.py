@@ -327,7 +327,8 @@ def test_triton_kernel_proxy_counts_the_launches_that_combo_kernels_save():
     """The GPU-cost proxy of compiled steps: Inductor's Triton kernels, run by Triton's interpreter on CPU. A
     refresh launches more kernels than a step between refreshes, and the compiled steps' Inductor options (combo
     kernels) launch fewer than Inductor's defaults, for the same parameters. Counted without running them (what
-    ``--gpu-shape`` does at sizes the interpreter cannot run), the launches are the same."""
+    ``--gpu-shape`` does at sizes the interpreter cannot run), the launches are the same. And it counts the Triton
+    configs a GPU compiles at the first steps."""
     script = """
 import json
 import adaloss.torch.modes.compiled as compiled
@@ -339,6 +340,8 @@ for label, options in (("combo", dict(combo_options)), ("plain", {})):
     counts, models = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], keep_models=True)
     found[label] = counts["adaptive-100-compiled"]
     found[label + "_parameters"] = [p.tolist() for p in models["adaptive-100-compiled"].parameters()]
+compiled.INDUCTOR_OPTIONS = {**combo_options, "deterministic": True, "triton.autotune_pointwise": False}
+found["untuned"] = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"])["adaptive-100-compiled"]
 compiled.INDUCTOR_OPTIONS = combo_options
 found["not_run"] = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], run_kernels=False)[
     "adaptive-100-compiled"]
@@ -354,3 +357,9 @@ print(json.dumps(found))
     assert combo["refresh"] < plain["refresh"] and combo["steady"] < plain["steady"]
     assert found["combo_parameters"] == found["plain_parameters"]
     assert found["not_run"] == combo
+    # What a GPU compiles: a Triton binary per config of each kernel launched; Inductor's deterministic mode and no
+    # pointwise autotuning leave one config per kernel, and the same launches.
+    assert 0 < combo["distinct"] < combo["configs"]
+    untuned = found["untuned"]
+    assert untuned["configs"] == untuned["distinct"] == combo["distinct"]
+    assert (untuned["refresh"], untuned["steady"]) == (combo["refresh"], combo["steady"])
