@@ -26,6 +26,11 @@ zero-fills its tensor arguments instead, so that the steps run as with all-zero 
 steps between refreshes come) and the count is the GPU's, kernel for kernel, at that shape. The batch is small (8 by
 default) to keep the eager parts quick; compiled GradScaler's nanoGPT step launches 175 kernels at batch 8 and at 64.
 
+Beside the launches it counts what a GPU compiles at the first steps: the distinct kernels the steps launched and
+their Triton configs, one binary each (ResNet-50's default refresh at the GPU shape: 223 kernels, 612 configs;
+compiled GradScaler 120 and 356), of which Triton's autotuner times those of a kernel with several at its first
+launch.
+
 Needs the ``triton`` package (``pip install triton``: no GPU needed) and minutes per model (the interpreter is slow:
 use the ``--quick`` sizes, the default). ``python -m benchmarks.triton_kernels [--models gpt] [--variants ...]``
 re-runs itself with ``TRITON_INTERPRET=1`` set, which Triton reads when it loads.
