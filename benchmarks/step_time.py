@@ -82,6 +82,12 @@ from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILE
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Untimed steps at least, where a variant compiles: its first two steps compile (see ``main``).
 COMPILED_WARMUP = 2
+#: A variant whose every warm-up step after its first takes over this many times the reference's, and over
+#: :data:`DROP_MIN_S`, is left out of the timed steps, so that one broken variant does not spend a GPU call's time
+#: limit (on the H200 a variant took 6.2 s a step against milliseconds, and the GPT's part of the call ran out of
+#: time before any variant was timed).
+DROP_FACTOR = 50.0
+DROP_MIN_S = 1.0
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------
@@ -95,13 +101,29 @@ def compile_warmup(work: Workload, args: argparse.Namespace) -> Workload:
     return work
 
 
+def too_slow(warmup: dict[str, list[float]]) -> dict[str, float]:
+    """The variants to leave out of the timed steps (see :data:`DROP_FACTOR`), each with its fastest warm-up step
+    after the first (seconds). Judged from three warm-up steps or more only: a compiled adaptive-N also compiles at
+    its second step."""
+    reference = warmup.get(REFERENCE, [])
+    if len(reference) < 3:
+        return {}
+    limit = max(DROP_MIN_S, DROP_FACTOR * min(reference[1:]))
+    return {name: min(seconds[1:]) for name, seconds in warmup.items()
+            if name != REFERENCE and min(seconds[1:]) > limit}
+
+
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str,
-                  warmup: dict[str, list[float]] | None = None) -> dict[str, list]:
+                  warmup: dict[str, list[float]] | None = None,
+                  dropped: dict[str, float] | None = None) -> dict[str, list]:
     """Per-step seconds of every variant, one list per repeat; variants interleaved step by step. A slow warm-up
     round (compiling, capturing: minutes on a GPU) says so on stderr, so a run cut short shows how far it got;
-    ``warmup`` (when given) receives each variant's warm-up step seconds: the first is its capture and compile."""
+    ``warmup`` (when given) receives each variant's warm-up step seconds: the first is its capture and compile.
+    ``dropped`` (when given): the variants :func:`too_slow` finds after the warm-up are not timed, and land
+    there."""
     sync = synchronizer(device)
     names = list(runners)
+    seen: dict[str, list[float]] = {} if warmup is None else warmup
     k = 0
     for i in range(work.warmup):
         x, y = batches[k % len(batches)]
@@ -111,12 +133,17 @@ def time_variants(runners: dict[str, Runner], batches: list, work: Workload, dev
             runners[name].step(x, y)
             sync()
             seconds[name] = time.perf_counter() - start
-            if warmup is not None:
-                warmup.setdefault(name, []).append(seconds[name])
+            seen.setdefault(name, []).append(seconds[name])
         if sum(seconds.values()) > 2.0:
             print(f"  warm-up {i + 1}/{work.warmup}: " + ", ".join(f"{n} {t:.1f} s" for n, t in seconds.items()),
                   file=sys.stderr, flush=True)
         k += 1
+    if dropped is not None:
+        dropped.update(too_slow(seen))
+        names = [name for name in names if name not in dropped]
+        for name, seconds in dropped.items():
+            print(f"  {name}: left out of the timed steps, {seconds:.2f} s a step after its warm-up, over "
+                  f"{DROP_FACTOR:.0f}x {REFERENCE}'s", flush=True)
     gc.collect()
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter
@@ -372,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         initial, batches = build_initial(work, args.device)
         runners = {name: Runner(name, initial, args.dtype, args.device) for name in args.variants}
         warmup: dict[str, list[float]] = {}
-        times = time_variants(runners, batches, work, args.device, warmup)
+        dropped: dict[str, float] = {}
+        times = time_variants(runners, batches, work, args.device, warmup, dropped)
+        for name in dropped:
+            del runners[name], warmup[name]
         timing = summarise_times(times)
         for name, seconds in warmup.items():
             # The warm-up beyond a steady step: capture, Dynamo, the rewrite, AOT autograd and Inductor (each
@@ -392,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             profile_variants(runners, batches, args.device, steps=max(work.steps // 2, 2))
         results["models"][model_name] = {"workload": asdict(work), "timing": timing, "memory": memory,
-                                         "step_peak_bytes": peaks, "runs": runs, "raw_step_seconds": times}
+                                         "step_peak_bytes": peaks, "runs": runs, "raw_step_seconds": times,
+                                         "left_out_s_per_step": dropped}
         if args.launches:
             from benchmarks.launches import count_cuda_kernels, count_variants, host_times, report, report_cuda
             if kind == "cuda":  # the real kernels: the CPU proxies below would only spend the GPU's scarce time

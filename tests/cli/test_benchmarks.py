@@ -7,7 +7,9 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -194,6 +196,39 @@ def test_a_compiling_variant_gets_two_untimed_steps_unless_the_warm_up_is_given(
     assert compile_warmup(quick, parse_args(["--quick", "--variants", "dynamic"])).warmup == 1  # nothing compiles
     asked = parse_args(["--quick", "--variants", "adaptive-100-compiled", "--warmup", "0"])
     assert compile_warmup(workload_for("gpt", "cpu", True, asked), asked).warmup == 0
+
+
+def test_a_variant_far_slower_than_gradscaler_after_its_warm_up_is_left_out_of_the_timed_steps(monkeypatch, capsys):
+    # On the H200 a broken variant took 6.2 s a step after compiling, and the GPT's part of the GPU call ran out of
+    # its time limit before any variant was timed. A fake clock: each fake step advances it by its variant's cost.
+    from benchmarks import step_time
+    from benchmarks.workloads import Workload, workload_for
+
+    clock = [0.0]
+    monkeypatch.setattr(step_time, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Fake:
+        def __init__(self, costs: list[float]) -> None:
+            self.costs, self.calls = costs, 0
+
+        def step(self, x, y) -> None:
+            clock[0] += self.costs[min(self.calls, len(self.costs) - 1)]
+            self.calls += 1
+
+    runners = {"gradscaler": Fake([0.02]),
+               "adaptive-1": Fake([60.0, 0.025]),  # compiles at its first step only
+               "adaptive-100": Fake([13.0, 17.0, 0.02]),  # and at its second
+               "adaptive-1-cooperative": Fake([60.0, 6.2])}  # broken: 310x gradscaler's after compiling
+    work: Workload = replace(workload_for("gpt", "cpu", True), warmup=3, steps=2, repeats=1)
+    warmup, dropped = {}, {}
+    times = step_time.time_variants(runners, [(None, None)], work, "cpu", warmup, dropped)
+    assert dropped == {"adaptive-1-cooperative": pytest.approx(6.2)}
+    assert set(times) == {"gradscaler", "adaptive-1", "adaptive-100"}
+    assert runners["adaptive-1-cooperative"].calls == 3  # its warm-up only
+    assert "adaptive-1-cooperative: left out of the timed steps, 6.20 s a step" in capsys.readouterr().out
+    # Judged only from three warm-up steps (a compiled adaptive-100's second step compiles), and only beyond 1 s.
+    assert step_time.too_slow({"gradscaler": [0.02, 0.02], "adaptive-100": [13.0, 17.0]}) == {}
+    assert step_time.too_slow({"gradscaler": [0.001] * 3, "adaptive-1-eager": [0.5] * 3}) == {}
 
 
 def test_chainer_benchmark_runs_through_the_same_command():
