@@ -128,7 +128,8 @@ def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, 
 def compile_static(static: fx.GraphModule, example_inputs: list,
                    options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """``static`` compiled by Inductor, forward and backward, for ``example_inputs``' shapes, with
-    :data:`INDUCTOR_OPTIONS` and ``options`` on top; a compiler failure in either is raised here.
+    :data:`INDUCTOR_OPTIONS` and ``options`` on top; with ``options``, a compiler failure in either is raised here
+    (without, one in the backward would be raised at its first call).
 
     Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
     sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
@@ -152,10 +153,13 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
         _name_workspaces()  # (also when asked for through Inductor's own config or environment)
     marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
     patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: source_digest()}  # (the user's kept)
-    # The backward is lowered here too, not lazily at its first call (AOT autograd's default), where a compiler
-    # failure would be raised out of the user's backward() instead of falling back to the eager steps.
+    # With the user's own Inductor options the backward is lowered here too, not lazily at its first call (AOT
+    # autograd's default), where a compiler failure would be raised out of the user's backward() instead of falling
+    # back to the eager steps (on the H200, cpp_wrapper=True failed so in the backward only). Not with the steps'
+    # own options, which the CUDA tests compile: lowering both at once took the GPT's first step 8-12% longer on a
+    # CPU (the backward's codegen, for reasons not found).
     with (tracing(TracingContext(fake_mode)), tracing_calls(calls),
-          functorch_config.patch(force_non_lazy_backward_lowering=True)):
+          functorch_config.patch(force_non_lazy_backward_lowering=bool(options))):
         return compile_fx(static, fakes, config_patches=patches)
 
 

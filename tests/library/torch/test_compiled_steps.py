@@ -321,10 +321,11 @@ def test_compiled_steps_give_the_eager_gradients_and_guards_in_pure_fp16():
 
 # Inductor compiles a backward lazily, at its first call, by default: inside the user's ``backward()``, where its
 # failure would stop training (seen on the H200 with ``cpp_wrapper``: the compiled forward ran, and its backward
-# raised an InductorError out of ``loss.backward()``). The compiled steps lower both at once, so that either fails
-# before anything runs compiled.
-@pytest.mark.parametrize("failing", ["compile_fx", "compile_fx_backward"])
-def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch, failing):
+# raised an InductorError out of ``loss.backward()``). With the user's own Inductor options the compiled steps lower
+# both at once, so that either fails before anything runs compiled.
+@pytest.mark.parametrize("failing, options", [("compile_fx", None),
+                                              ("compile_fx_backward", {"max_autotune": False})])
+def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkeypatch, failing, options):
     def fail(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
@@ -333,7 +334,7 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
     model = _Net()
     reference = _Net()
     reference.load_state_dict(model.state_dict())
-    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=2)
+    scaler = LossScaler(model, "adaptive", compile=True, update_per_n_iteration=2, compile_options=options)
     plain = LossScaler(reference, "adaptive", update_per_n_iteration=2)
     x, y = torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8,))
     with warnings.catch_warnings(record=True) as caught:
