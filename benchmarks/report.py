@@ -67,7 +67,7 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
             row["rss_mb"], row["rss_ratio"] = rss / 2**20, rss_ratio
         spread = (f"{row['repeat_ratio_min']:.3f}-{row['repeat_ratio_max']:.3f}"
                   if "repeat_ratio_min" in row else "-")
-        notes = []
+        notes = ["left out of the timed steps: its fastest warm-up step after the first"] if row.get("left_out") else []
         if "ms_amortised" in row:
             notes.append(f"amortised {row['ms_amortised']:.2f} ms = {row['ratio_amortised']:.3f}x")
         info = runs.get(name, {})

@@ -113,6 +113,15 @@ def too_slow(warmup: dict[str, list[float]]) -> dict[str, float]:
             if name != REFERENCE and min(seconds[1:]) > limit}
 
 
+def left_out_rows(timing: dict[str, dict[str, Any]], dropped: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Table rows for the variants left out of the timed steps: their fastest warm-up step after the first, as a
+    ratio to the reference's median step, so that their goals are reported missed, never silently absent."""
+    reference_ms = timing[REFERENCE]["ms_median"]
+    return {name: {"ms_median": seconds * 1e3, "ratio": seconds * 1e3 / reference_ms, "steps": 0,
+                   "left_out": True}
+            for name, seconds in dropped.items()}
+
+
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str,
                   warmup: dict[str, list[float]] | None = None,
                   dropped: dict[str, float] | None = None) -> dict[str, list]:
@@ -404,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in dropped:
             del runners[name], warmup[name]
         timing = summarise_times(times)
+        timing.update(left_out_rows(timing, dropped))
         for name, seconds in warmup.items():
             # The warm-up beyond a steady step: capture, Dynamo, the rewrite, AOT autograd and Inductor (each
             # compiled adaptive variant compiles a refresh and a between-refreshes graph in its first steps).

@@ -226,6 +226,14 @@ def test_a_variant_far_slower_than_gradscaler_after_its_warm_up_is_left_out_of_t
     assert set(times) == {"gradscaler", "adaptive-1", "adaptive-100"}
     assert runners["adaptive-1-cooperative"].calls == 3  # its warm-up only
     assert "adaptive-1-cooperative: left out of the timed steps, 6.20 s a step" in capsys.readouterr().out
+    # Its goals are reported missed, with its warm-up step as a ratio to GradScaler's median step.
+    from benchmarks.report import report_model
+    timing = step_time.summarise_times(times)
+    timing.update(step_time.left_out_rows(timing, dropped))
+    checks = {c["goal"]: c for c in report_model(work, "cuda", "float16", timing, {}, {})}
+    assert checks["adaptive-1-cooperative/gradscaler step time"]["value"] == pytest.approx(310.0)
+    assert not checks["adaptive-1-cooperative/gradscaler step time"]["pass"]
+    assert "left out of the timed steps" in capsys.readouterr().out
     # Judged only from three warm-up steps (a compiled adaptive-100's second step compiles), and only beyond 1 s.
     assert step_time.too_slow({"gradscaler": [0.02, 0.02], "adaptive-100": [13.0, 17.0]}) == {}
     assert step_time.too_slow({"gradscaler": [0.001] * 3, "adaptive-1-eager": [0.5] * 3}) == {}
