@@ -156,8 +156,8 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
     # With the user's own Inductor options the backward is lowered here too, not lazily at its first call (AOT
     # autograd's default), where a compiler failure would be raised out of the user's backward() instead of falling
     # back to the eager steps (on the H200, cpp_wrapper=True failed so in the backward only). Not with the steps'
-    # own options, which the CUDA tests compile: lowering both at once took the GPT's first step 8-12% longer on a
-    # CPU (the backward's codegen, for reasons not found).
+    # own options, which the CUDA tests compile: with both lowered at once the GPT's cold first step took 42-51 s on
+    # a CPU against 40-46 s (six runs each, noisy; a cost not explained, and not worth it for a failure not seen).
     with (tracing(TracingContext(fake_mode)), tracing_calls(calls),
           functorch_config.patch(force_non_lazy_backward_lowering=bool(options))):
         return compile_fx(static, fakes, config_patches=patches)
