@@ -29,7 +29,9 @@ default) to keep the eager parts quick; compiled GradScaler's nanoGPT step launc
 Beside the launches it counts what a GPU compiles at the first steps: the distinct kernels the steps launched and
 their Triton configs, one binary each (ResNet-50's default refresh at the GPU shape: 223 kernels, 612 configs;
 compiled GradScaler 120 and 356), of which Triton's autotuner times those of a kernel with several at its first
-launch.
+launch. ``--compile-for-gpu`` then compiles each of those binaries for an H100/H200 (sm_90) here, with Triton and
+the ``ptxas`` its package ships, and prints the CPU seconds: the part of a GPU's first step spent in Inductor's
+compile workers, measured without a GPU (what runs on the GPU, the autotuner's timing, is not).
 
 Needs the ``triton`` package (``pip install triton``: no GPU needed) and minutes per model (the interpreter is slow:
 use the ``--quick`` sizes, the default). ``python -m benchmarks.triton_kernels [--models gpt] [--variants ...]``
@@ -148,7 +150,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     ``steady_mb``: its ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken
     as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
     compiles for the kernels the steps launched (``distinct`` kernels, and their ``configs``: Triton compiles one
-    binary per config at the first step, and times them at the first launch where there are several).
+    binary per config at the first step, and times them at the first launch where there are several; their
+    generated modules are ``kernel_files``, for :func:`gpu_compile_seconds`).
     ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
     CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
     without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
@@ -188,10 +191,106 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         steady_mb = next(mb for mb in reversed(megabytes) if mb) if any(megabytes) else 0.0
         found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_mb": megabytes[0],
                        "steady_mb": steady_mb, "distinct": len(_LAUNCHED),
-                       "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED)}
+                       "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED),
+                       "kernel_files": sorted(_LAUNCHED)}
         models[name] = runner.model
     log.setLevel(level)
     return (found, models) if keep_models else found
+
+
+#: The NVIDIA GPU ``--compile-for-gpu`` compiles for by default: compute capability 9.0, an H100's or H200's.
+GPU_CAPABILITY = 90
+
+
+def gpu_compile_seconds(kernel_files: list[str], capability: int = GPU_CAPABILITY,
+                        workers: int | None = None) -> dict[str, list[float]]:
+    """Per generated kernel module, the seconds Triton takes to compile each of its configs for an NVIDIA GPU of
+    ``capability`` (Triton's passes and ``ptxas``, which ships with the ``triton`` package: no GPU or driver
+    needed), each config once, as Inductor's compile workers do at a GPU's first step. Runs in ``workers``
+    processes (default: this machine's cores) started without ``TRITON_INTERPRET`` and with an empty Triton cache
+    of their own, so that every binary is compiled, none loaded."""
+    import multiprocessing
+    import shutil
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+
+    cache = tempfile.mkdtemp(prefix="adaloss-triton-cache-")
+    saved = {key: os.environ.get(key) for key in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    os.environ.pop("TRITON_INTERPRET", None)  # the workers' Triton reads both when it loads
+    os.environ["TRITON_CACHE_DIR"] = cache
+    try:
+        with ProcessPoolExecutor(workers or os.cpu_count() or 1,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            found = dict(zip(kernel_files, pool.map(_compile_for_gpu, kernel_files,
+                                                    [capability] * len(kernel_files))))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(cache, ignore_errors=True)
+    return found
+
+
+def _compile_for_gpu(path: str, capability: int) -> list[float]:
+    """The seconds each config of the kernel in Inductor's generated module ``path`` takes to compile for the GPU
+    (in a worker process of :func:`gpu_compile_seconds`): the module is loaded with Inductor's autotuner replaced
+    by one that keeps the kernel and its configs, and each config is compiled as Inductor's
+    ``CachingAutotuner._precompile_config`` compiles it."""
+    import importlib.util
+    import time
+    import warnings
+
+    import triton
+    from torch._inductor.runtime import triton_heuristics
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    warnings.filterwarnings("ignore")  # "no CPU backend" for the module's imports, Triton's default notices
+    kept: dict[str, Any] = {}
+
+    def keep(size_hints: Any, configs: list, triton_meta: dict, *args: Any, **kwargs: Any) -> Any:
+        def decorate(fn: Any) -> Any:
+            kept.update(configs=configs, meta=triton_meta, fn=fn)
+            return fn
+        return decorate
+
+    triton_heuristics.cached_autotune = keep  # (the heuristics call it by its module-level name)
+    spec = importlib.util.spec_from_file_location(f"kernel_{os.getpid()}_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    meta, fn = kept["meta"], kept["fn"]
+    seconds = []
+    for cfg in kept["configs"]:
+        constants = {**meta.get("constants", {}), **cfg.kwargs}
+        signature = {name: "constexpr" if name in constants else kind for name, kind in meta["signature"].items()}
+        attributes = meta["configs"][0] if meta.get("configs") else {}
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "debug": False,
+                   "sanitize_overflow": False, "launch_cooperative_grid": meta.get("launch_cooperative_grid", False)}
+        if "enable_fp_fusion" in meta:
+            options["enable_fp_fusion"] = meta["enable_fp_fusion"]
+        start = time.perf_counter()
+        triton.compile(ASTSource(fn, signature, constants, attributes), target=GPUTarget("cuda", capability, 32),
+                       options=options)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list[float]], capability: int,
+                       workers: int) -> None:
+    """Print :func:`gpu_compile_seconds`' sums per variant: every config (what Inductor compiles by default) and
+    one per kernel (what it compiles with ``deterministic=True`` and ``triton.autotune_pointwise=False``)."""
+    print(f"  Triton binaries compiled for sm_{capability} on this CPU (Triton and ptxas, {workers} workers, "
+          "nothing cached): CPU seconds, and spread over 16 cores (a GPU machine's compile workers)")
+    base = None
+    for name, row in found.items():
+        times = [seconds[kernel] for kernel in row["kernel_files"] if kernel in seconds]
+        every, first = sum(map(sum, times)), sum(t[0] for t in times if t)
+        base = every if base is None and name == REFERENCE else base
+        ratio = f" ({every / base:.2f}x)" if base else ""
+        print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / 16:5.1f} s on "
+              f"16 cores; one config per kernel {first:6.1f} CPU s, {first / 16:5.1f} s on 16 cores")
 
 
 def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> None:
@@ -239,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="the CUDA benchmark's model shape (e.g. the nanoGPT's 6 blocks of width 384 at 256 "
                             "tokens) at batch BATCH (default 8), its kernels generated and counted but not run: "
                             "what a deep model's refresh launches, which --quick's one narrow block under-counts")
+    parser.add_argument("--compile-for-gpu", type=int, nargs="?", const=GPU_CAPABILITY, metavar="CC",
+                        help="also compile every Triton config of the kernels each variant launched for an NVIDIA "
+                             f"GPU of compute capability CC (default {GPU_CAPABILITY}: H100, H200) on this CPU, and "
+                             "print the CPU seconds: what a GPU machine's compile workers spend at the first steps "
+                             "(Triton and ptxas; no GPU needed; about a minute per 200 binaries per core)")
     parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
                         help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
                              "repeat for more")
@@ -259,13 +363,22 @@ def main(argv: list[str] | None = None) -> int:
     options = use_inductor_options(args.inductor_option)
     if args.inductor_option:
         print(f"Inductor options of the compiled adaptive steps: {options}")
+    if args.compile_for_gpu is not None and args.compile_for_gpu < 50:
+        parser.error(f"--compile-for-gpu: a compute capability as Triton names it (e.g. 90 for 9.0), got "
+                     f"{args.compile_for_gpu}")
     if args.gpu_shape is not None and args.gpu_shape < 1:
         parser.error(f"--gpu-shape: the batch must be at least 1, got {args.gpu_shape}")
     for model in args.models:
         shape = ""
         if args.gpu_shape is not None:
             shape = f"the CUDA benchmark's shape, batch {args.gpu_shape}"
-        report(model, count_kernels(model, variants, quick=not args.full, gpu_shape_batch=args.gpu_shape), shape)
+        found = count_kernels(model, variants, quick=not args.full, gpu_shape_batch=args.gpu_shape)
+        report(model, found, shape)
+        if args.compile_for_gpu is not None:
+            files = sorted({kernel for row in found.values() for kernel in row["kernel_files"]})
+            workers = os.cpu_count() or 1
+            report_gpu_compile(found, gpu_compile_seconds(files, args.compile_for_gpu, workers),
+                               args.compile_for_gpu, workers)
     return 0
 
 

@@ -406,3 +406,29 @@ print(json.dumps(found))
     untuned = found["untuned"]
     assert untuned["configs"] == untuned["distinct"] == combo["distinct"]
     assert (untuned["refresh"], untuned["steady"]) == (combo["refresh"], combo["steady"])
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
+def test_the_gpu_compile_proxy_compiles_every_config_of_every_kernel_launched_for_an_h100():
+    """``--compile-for-gpu``: each Triton config of each kernel a compiled step launched is compiled for an
+    H100/H200 (sm_90) on this CPU, once, in worker processes that do not interpret (a binary, not Triton's
+    interpreter) and that share no cache with this one; the process's own setting is left as it was."""
+    script = """
+import json, os
+from benchmarks import triton_kernels
+found = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"])["adaptive-100-compiled"]
+before = os.environ.get("TRITON_CACHE_DIR")
+seconds = triton_kernels.gpu_compile_seconds(found["kernel_files"], workers=1)
+print(json.dumps({"found": found, "seconds": seconds, "interpret": os.environ.get("TRITON_INTERPRET"),
+                  "cache_kept": os.environ.get("TRITON_CACHE_DIR") == before}))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    found, seconds = result["found"], result["seconds"]
+    assert sorted(seconds) == found["kernel_files"] and len(seconds) == found["distinct"] > 0
+    assert sum(len(times) for times in seconds.values()) == found["configs"]
+    assert all(t > 0 for times in seconds.values() for t in times)
+    assert result["interpret"] == "1" and result["cache_kept"]
