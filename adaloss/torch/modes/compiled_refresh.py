@@ -50,25 +50,36 @@ POINT_VALUES = ("unbound", "weight_unbound", "factor", "weight_factor", "weight_
 
 
 class RefreshWrites:
-    """Where each value a refresh stores sits in the sink: per scale point a block of :data:`POINT_VALUES`, then
-    one entry per table slot, one *mark* per table slot (1 where the backward wrote the slot: the others keep the
-    loss scale, as an eager table does), then one per cache (output and branch points, by name).
+    """Where each value a refresh stores sits in the sink: for each of :data:`POINT_VALUES` a run with one entry
+    per scale point (value ``k`` of the ``j``-th point at ``k * points + j``), then one entry per table slot, one
+    *mark* per table slot (1 where the backward wrote the slot: the others keep the loss scale, as an eager table
+    does), then one per cache (output and branch points, by name).
 
-    The marks come out of the compiled graph, not out of its tracing, so that a graph loaded from AOT autograd's
-    cache (``cache_keys.py``), which is not traced, stores the same table."""
+    One run per value, and the state's arrays hold a graph's points at consecutive indices: :meth:`store` copies
+    every run and every cache with one multi-tensor copy (one kernel on CUDA), where a copy per value would launch
+    five. The marks come out of the compiled graph, not out of its tracing, so that a graph loaded from AOT
+    autograd's cache (``cache_keys.py``), which is not traced, stores the same table."""
 
     #: Not read while a graph is traced (``cache_keys.py``): the device copy of the point indices.
     cache_key_ignores = frozenset({"_on_device"})
 
     def __init__(self, plan: GraphPlan, point_indices: list[int], cache_names: list[str]) -> None:
         self.point_indices = point_indices
-        self.point_base = {index: k * len(POINT_VALUES) for k, index in enumerate(point_indices)}
-        self.slot_base = len(point_indices) * len(POINT_VALUES)
+        self.points = len(point_indices)
+        self.point_order = {index: j for j, index in enumerate(point_indices)}
+        first = point_indices[0] if point_indices else 0
+        #: Whether the points sit at consecutive indices of the state's arrays (a slice each), else an index copy.
+        self.consecutive = point_indices == list(range(first, first + self.points))
+        self.slot_base = self.points * len(POINT_VALUES)
         self.num_slots = max(plan.num_slots, 1)
         self.mark_base = self.slot_base + self.num_slots
         self.cache_base = {name: self.mark_base + self.num_slots + k for k, name in enumerate(cache_names)}
         self.size = self.mark_base + self.num_slots + len(cache_names)
         self._on_device: tuple[torch.device, torch.Tensor] | None = None
+
+    def position(self, point_index: int, value: int) -> int:
+        """Where value ``value`` (of :data:`POINT_VALUES`) of scale point ``point_index`` sits in the sink."""
+        return value * self.points + self.point_order[point_index]
 
     def _indices(self, device: torch.device) -> torch.Tensor:
         """The points' indices on ``device``, copied there once (a copy from pageable host memory waits for the
@@ -80,18 +91,25 @@ class RefreshWrites:
     def store(self, state: ScaleState, execution: Execution, values: torch.Tensor, loss_scale: torch.Tensor) -> None:
         """Copy a refresh's values (the sink's gradient) into the state and the execution's table: a few kernels
         and no host transfer."""
-        if self.point_indices:
-            index = self._indices(values.device)
-            block = values[:self.slot_base].reshape(-1, len(POINT_VALUES))
-            for column, name in enumerate(POINT_VALUES):
-                state.arrays[name].index_copy_(0, index, block[:, column])
-        table = values[self.slot_base:self.mark_base]
-        written = values[self.mark_base:self.mark_base + self.num_slots] != 0
-        execution.table.copy_(torch.where(written, table, loss_scale))
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        n = self.points
+        for k, name in enumerate(POINT_VALUES) if n else ():
+            run = values[k * n:(k + 1) * n]
+            if self.consecutive:
+                first = self.point_indices[0]
+                targets.append(state.arrays[name][first:first + n])
+                sources.append(run)
+            else:
+                state.arrays[name].index_copy_(0, self._indices(values.device), run)
         if self.cache_base:  # consecutive, in the order of cache_base
             start = min(self.cache_base.values())
-            caches = [state.cache(name) for name in self.cache_base]
-            torch._foreach_copy_(caches, list(values[start:start + len(caches)].unbind()))
+            targets += [state.cache(name) for name in self.cache_base]
+            sources += list(values[start:start + len(self.cache_base)].unbind())
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        written = values[self.mark_base:self.mark_base + self.num_slots] != 0
+        torch.where(written, values[self.slot_base:self.mark_base], loss_scale, out=execution.table)
 
 
 class _Trace:
@@ -161,9 +179,9 @@ class _RefreshPoint(torch.autograd.Function):
                 x_axis=point.x_axis, options=options, headroom=trace.headroom(c))
         written = trace.write(point.in_slot, in_scale)
         grads = point_gradients(ctx, gy, needs, factor, weight_factor, weight_scale, accum)
-        base = trace.writes.point_base[point.index]
         values = (unbound, weight_unbound, factor, weight_factor, weight_scale)
-        sink = trace.sink_gradient([(base + k, v) for k, v in enumerate(values)] + written)
+        sink = trace.sink_gradient([(trace.writes.position(point.index, k), v) for k, v in enumerate(values)]
+                                   + written)
         return None, None, None, None, sink, *grads
 
 

@@ -312,6 +312,35 @@ def test_compiled_steps_give_the_eager_gradients_and_refreshes_under_fp16_autoca
         _compare_with_eager("cpu", torch.float16, rtol=1e-2, forbid_reads=True)
 
 
+@pytest.mark.parametrize("indices", [[3, 4, 5], [5, 0, 2]], ids=["consecutive", "scattered"])
+def test_a_refresh_stores_each_value_of_each_point_its_table_and_its_caches_where_the_eager_steps_keep_them(indices):
+    # What a compiled refresh's backward hands back (the sink's gradient) lands in the state: each point's five
+    # values in its own row of each per-point array, the table slots the backward wrote (the others keep the loss
+    # scale), each cache. A graph's points at consecutive indices are copied with one multi-tensor copy.
+    from types import SimpleNamespace
+
+    from adaloss.torch.modes.compiled_refresh import POINT_VALUES, RefreshWrites
+
+    writes = RefreshWrites(SimpleNamespace(num_slots=3), indices, ["out", "branch"])
+    assert writes.consecutive == (indices == [3, 4, 5])
+    values = torch.zeros(writes.size)
+    for point in indices:
+        for k in range(len(POINT_VALUES)):
+            values[writes.position(point, k)] = 10 * point + k + 1
+    values[writes.slot_base:writes.mark_base] = torch.tensor([7.0, 0.0, 9.0])
+    values[writes.mark_base:writes.mark_base + 3] = torch.tensor([1.0, 0.0, 1.0])  # slot 1 not written
+    values[writes.cache_base["out"]], values[writes.cache_base["branch"]] = 0.5, 0.25
+    caches = {"out": torch.ones(()), "branch": torch.ones(())}
+    state = SimpleNamespace(arrays={name: torch.full((6,), -1.0) for name in POINT_VALUES}, cache=caches.__getitem__)
+    execution = SimpleNamespace(table=torch.zeros(3))
+    writes.store(state, execution, values, torch.tensor(1024.0))
+    for k, name in enumerate(POINT_VALUES):
+        expected = [10 * i + k + 1 if i in indices else -1.0 for i in range(6)]
+        assert state.arrays[name].tolist() == expected, name
+    assert execution.table.tolist() == [7.0, 1024.0, 9.0]
+    assert (caches["out"].item(), caches["branch"].item()) == (0.5, 0.25)
+
+
 def test_compiled_steps_give_the_eager_gradients_and_guards_in_pure_fp16():
     with device_scalars():
         scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, steps=4, pure=True, net=_Attending)
