@@ -210,27 +210,16 @@ def gpu_compile_seconds(kernel_files: list[str], capability: int = GPU_CAPABILIT
     processes (default: this machine's cores) started without ``TRITON_INTERPRET`` and with an empty Triton cache
     of their own, so that every binary is compiled, none loaded."""
     import multiprocessing
-    import shutil
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
+    from unittest import mock
 
-    cache = tempfile.mkdtemp(prefix="adaloss-triton-cache-")
-    saved = {key: os.environ.get(key) for key in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
-    os.environ.pop("TRITON_INTERPRET", None)  # the workers' Triton reads both when it loads
-    os.environ["TRITON_CACHE_DIR"] = cache
-    try:
+    with tempfile.TemporaryDirectory(prefix="adaloss-triton-cache-") as cache, \
+            mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}):  # restored on leaving, as it was
+        os.environ.pop("TRITON_INTERPRET", None)  # the workers' Triton reads both when it loads
         with ProcessPoolExecutor(workers or os.cpu_count() or 1,
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            found = dict(zip(kernel_files, pool.map(_compile_for_gpu, kernel_files,
-                                                    [capability] * len(kernel_files))))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        shutil.rmtree(cache, ignore_errors=True)
-    return found
+            return dict(zip(kernel_files, pool.map(_compile_for_gpu, kernel_files, [capability] * len(kernel_files))))
 
 
 def _compile_for_gpu(path: str, capability: int) -> list[float]:
