@@ -200,6 +200,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
 
 #: The NVIDIA GPU ``--compile-for-gpu`` compiles for by default: compute capability 9.0, an H100's or H200's.
 GPU_CAPABILITY = 90
+#: The CPU cores of the GPU machine the CUDA benchmarks run on: Inductor's compile workers, one process per core.
+GPU_MACHINE_CORES = 16
 
 
 def gpu_compile_seconds(kernel_files: list[str], capability: int = GPU_CAPABILITY,
@@ -270,16 +272,17 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
                        workers: int) -> None:
     """Print :func:`gpu_compile_seconds`' sums per variant: every config (what Inductor compiles by default) and
     one per kernel (what it compiles with ``deterministic=True`` and ``triton.autotune_pointwise=False``)."""
+    cores = GPU_MACHINE_CORES
     print(f"  Triton binaries compiled for sm_{capability} on this CPU (Triton and ptxas, {workers} workers, "
-          "nothing cached): CPU seconds, and spread over 16 cores (a GPU machine's compile workers)")
+          f"nothing cached): CPU seconds, and spread over {cores} cores (a GPU machine's compile workers)")
     base = None
     for name, row in found.items():
         times = [seconds[kernel] for kernel in row["kernel_files"] if kernel in seconds]
         every, first = sum(map(sum, times)), sum(t[0] for t in times if t)
         base = every if base is None and name == REFERENCE else base
         ratio = f" ({every / base:.2f}x)" if base else ""
-        print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / 16:5.1f} s on "
-              f"16 cores; one config per kernel {first:6.1f} CPU s, {first / 16:5.1f} s on 16 cores")
+        print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / cores:5.1f} s "
+              f"on {cores} cores; one config per kernel {first:6.1f} CPU s, {first / cores:5.1f} s on {cores} cores")
 
 
 def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> None:
