@@ -38,7 +38,8 @@ def abs_sum_max(ops: Float32Ops, x: Any, keep_axis: int) -> Any:
     ``ops.scalars`` (NaN and inf propagate; 0 for an empty x).
 
     For a Linear weight W (out, in) with ``keep_axis=1`` it bounds |gx| / max|gy|; for a layer input x (N, in) with
-    ``keep_axis=-1`` it bounds |dW| / max|gy|. One reduction, no float32 copy of a low-precision x on torch.
+    ``keep_axis=-1`` it bounds |dW| / max|gy|. One reduction, no float32 copy of a low-precision x on torch (on a
+    CPU |x| first: there torch's 1-norm takes 4-9x as long as summing |x|, the same sums up to their order).
     """
     if math.prod(x.shape) == 0:
         return ops.scalars.const(0.0)
@@ -50,6 +51,8 @@ def abs_sum_max(ops: Float32Ops, x: Any, keep_axis: int) -> Any:
             sums = x.abs().float()
         elif x.dtype == torch.float64:
             sums = torch.linalg.vector_norm(x, ord=1, dim=others).float()
+        elif x.device.type == "cpu":  # (the device, not the path: a CPU tensor's sums are the same on both)
+            sums = x.abs().sum(dim=others, dtype=torch.float32)
         else:
             sums = torch.linalg.vector_norm(x, ord=1, dim=others, dtype=torch.float32)
         top = sums.max()
