@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also compile every Triton config of the kernels each variant launched for an NVIDIA "
                              f"GPU of compute capability CC (default {GPU_CAPABILITY}: H100, H200) on this CPU, and "
                              "print the CPU seconds: what a GPU machine's compile workers spend at the first steps "
-                             "(Triton and ptxas; no GPU needed; about a minute per 200 binaries per core)")
+                             "(Triton and ptxas; no GPU needed; about 30 s per 200 binaries on one core)")
     parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
                         help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
                              "repeat for more")
