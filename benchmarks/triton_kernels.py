@@ -277,8 +277,8 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
           f"nothing cached): CPU seconds, and spread over {cores} cores (a GPU machine's compile workers)")
     base = None
     for name, row in found.items():
-        times = [seconds[kernel] for kernel in row["kernel_files"] if kernel in seconds]
-        every, first = sum(map(sum, times)), sum(t[0] for t in times if t)
+        times = [seconds[kernel] for kernel in row["kernel_files"]]  # (every kernel has a config at least)
+        every, first = sum(map(sum, times)), sum(t[0] for t in times)
         base = every if base is None and name == REFERENCE else base
         ratio = f" ({every / base:.2f}x)" if base else ""
         print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / cores:5.1f} s "

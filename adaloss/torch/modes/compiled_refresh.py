@@ -94,10 +94,10 @@ class RefreshWrites:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         n = self.points
+        first = self.point_indices[0] if n else 0
         runs = [values[k * n:(k + 1) * n] for k in range(len(POINT_VALUES))] if n else []
         for name, run in zip(POINT_VALUES, runs):
             if self.consecutive:
-                first = self.point_indices[0]
                 targets.append(state.arrays[name][first:first + n])
                 sources.append(run)
             else:
