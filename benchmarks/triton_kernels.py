@@ -45,6 +45,7 @@ import copy
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -151,7 +152,10 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
     compiles for the kernels the steps launched (``distinct`` kernels, and their ``configs``: Triton compiles one
     binary per config at the first step, and times them at the first launch where there are several; their
-    generated modules are ``kernel_files``, for :func:`gpu_compile_seconds`).
+    generated modules are ``kernel_files``, for :func:`gpu_compile_seconds`); and the seconds the compilers spent
+    on the variant here, nothing cached (``aot_autograd_s``, ``inductor_forward_s``, ``inductor_backward_s``: see
+    :func:`_compiler_seconds`): the Python work that a GPU's first steps do on one host core besides compiling
+    the Triton binaries.
     ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
     CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
     without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
@@ -176,6 +180,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         run = gpu_shape_batch is None if run_kernels is None else run_kernels
         _RUN_KERNELS[0] = run and name not in COOPERATIVE_VARIANTS  # (see the module docstring)
         torch._dynamo.reset()
+        compiler_before = _compiler_seconds()
         with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
             counts, megabytes = [], []
@@ -186,16 +191,39 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
                 runner.step(*batches[k % len(batches)])
                 counts.append(launches[0])
                 megabytes.append(metrics.num_bytes_accessed / 1e6)
+        compiler = {part: spent - compiler_before[part] for part, spent in _compiler_seconds().items()}
         # A graph's bytes are counted when it compiles: the steady step's are those of the last step that compiled
         # (adaptive-N's second; for the others the first, whose graphs every step runs).
         steady_mb = next(mb for mb in reversed(megabytes) if mb) if any(megabytes) else 0.0
         found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_mb": megabytes[0],
                        "steady_mb": steady_mb, "distinct": len(_LAUNCHED),
                        "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED),
-                       "kernel_files": sorted(_LAUNCHED)}
+                       "kernel_files": sorted(_LAUNCHED),
+                       "aot_autograd_s": compiler["aot"], "inductor_forward_s": compiler["forward"],
+                       "inductor_backward_s": compiler["backward"]}
         models[name] = runner.model
     log.setLevel(level)
     return (found, models) if keep_models else found
+
+
+def _compiler_seconds() -> dict[str, float]:
+    """The seconds spent so far in this process by AOT autograd (tracing the joint forward and backward, its graph
+    passes and partition; without the forward's compile, which it calls) and by Inductor compiling forward graphs and
+    backward graphs (lowering, scheduling and fusion, code generation, loading the module): the compilers' own
+    timers, ``torch._dynamo.utils.compilation_time_metrics``. Disjoint, unlike a step's wall time, which also holds
+    the eager work of the step."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    spent = {"aot": 0.0, "forward": 0.0, "backward": 0.0}
+    for key, values in compilation_time_metrics.items():
+        if key == "create_aot_dispatcher_function":
+            spent["aot"] += sum(values)
+        elif key.endswith("fw_compiler_base"):
+            spent["forward"] += sum(values)
+        elif key.endswith("bw_compiler"):
+            spent["backward"] += sum(values)
+    spent["aot"] -= spent["forward"]
+    return spent
 
 
 #: The NVIDIA GPU ``--compile-for-gpu`` compiles for by default: compute capability 9.0, an H100's or H200's.
@@ -230,7 +258,6 @@ def _compile_for_gpu(path: str, capability: int) -> list[float]:
     by one that keeps the kernel and its configs, and each config is compiled as Inductor's
     ``CachingAutotuner._precompile_config`` compiles it."""
     import importlib.util
-    import time
     import warnings
 
     import triton
@@ -309,6 +336,15 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
         base = found.get(REFERENCE, {})
         ratios = [f"{row[k] / base[k]:.2f}x" if base.get(k) else "-" for k in ("distinct", "configs")]
         print(f"  {name:<24} {row['distinct']:>5d} kernels ({ratios[0]}), {row['configs']:>5d} configs ({ratios[1]})")
+    print("  the compilers' work here (one thread, nothing cached; Triton code generated, not compiled): what a "
+          "GPU's first steps spend on one host core besides Triton's binaries")
+    for name, row in found.items():
+        total = row["aot_autograd_s"] + row["inductor_forward_s"] + row["inductor_backward_s"]
+        base = found.get(REFERENCE, {})
+        base_total = sum(base.get(key, 0.0) for key in ("aot_autograd_s", "inductor_forward_s", "inductor_backward_s"))
+        ratio = f"{total / base_total:.2f}x" if base_total else "-"
+        print(f"  {name:<24} {total:>6.1f} s ({ratio}): AOT autograd {row['aot_autograd_s']:.1f} s, Inductor "
+              f"forward {row['inductor_forward_s']:.1f} s, backward {row['inductor_backward_s']:.1f} s")
     if not shape and any(name.endswith("-cooperative") for name in found):
         print("  *-cooperative: generated but not run (the interpreter cannot run a cooperative kernel)")
 

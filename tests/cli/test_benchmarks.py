@@ -399,7 +399,12 @@ print(json.dumps(found))
     assert combo["refresh"] > combo["steady"] > 0
     assert combo["refresh"] < plain["refresh"] and combo["steady"] < plain["steady"]
     assert found["combo_parameters"] == found["plain_parameters"]
-    assert found["not_run"] == combo
+    timings = ("aot_autograd_s", "inductor_forward_s", "inductor_backward_s")
+    assert {k: v for k, v in found["not_run"].items() if k not in timings} == {
+        k: v for k, v in combo.items() if k not in timings}
+    # The compilers' own seconds: AOT autograd's trace, Inductor's forward and backward graphs (two of each: a
+    # refresh's graphs and those of the steps between refreshes).
+    assert all(0 < combo[key] < 600 for key in timings)
     # What a GPU compiles: a Triton binary per config of each kernel launched; Inductor's deterministic mode and no
     # pointwise autotuning leave one config per kernel, and the same launches.
     assert 0 < combo["distinct"] < combo["configs"]
