@@ -31,7 +31,9 @@ their Triton configs, one binary each (ResNet-50's default refresh at the GPU sh
 compiled GradScaler 120 and 356), of which Triton's autotuner times those of a kernel with several at its first
 launch. ``--compile-for-gpu`` then compiles each of those binaries for an H100/H200 (sm_90) here, with Triton and
 the ``ptxas`` its package ships, and prints the CPU seconds: the part of a GPU's first step spent in Inductor's
-compile workers, measured without a GPU (what runs on the GPU, the autotuner's timing, is not).
+compile workers, measured without a GPU (what runs on the GPU, the autotuner's timing, is not). And it prints the
+seconds AOT autograd and Inductor (forward and backward graphs) spent compiling each variant, from their own timers:
+the Python work of a GPU's first steps, which runs on one host core.
 
 Needs the ``triton`` package (``pip install triton``: no GPU needed) and minutes per model (the interpreter is slow:
 use the ``--quick`` sizes, the default). ``python -m benchmarks.triton_kernels [--models gpt] [--variants ...]``
