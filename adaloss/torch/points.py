@@ -24,6 +24,7 @@ from torch import nn
 
 from adaloss.core.adaptive import rule_of
 from adaloss.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
+from adaloss.core.array_ops import torch_cpu_on_host
 from adaloss.core.scale_steps import layer_scale_step
 
 from .scale_ops import divide_to, multiply, same_factor
@@ -225,11 +226,14 @@ def _cpu_half_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, to
     one thread for m, k, n from 10 to 784: docs/benchmarks.md, "The CPU's float16 products"). From k = 128 on,
     ``a`` row-major and ``b`` column-major (each output a dot product of two contiguous rows) is fastest, 2-10x
     faster than both row-major; below, ``a`` column-major and ``b`` row-major, about 20% faster. A transposing copy
-    of an operand costs far less than either saving, except on small products, which keep their layout. Not while
-    a graph is traced for compiling (Inductor picks its own layouts, and the GPU-cost proxies trace this code on
-    CPU tensors for the CUDA path), and not where oneDNN has float16 kernels."""
-    traced = torch.compiler.is_compiling() or torch._guards.detect_fake_mode((a, b)) is not None
-    if traced or a.shape[0] * a.shape[1] * b.shape[1] < _LAYOUT_FROM or _onednn_multiplies_half():
+    of an operand costs far less than either saving, except on small products, which keep their layout. Only on
+    the CPU path: not while a graph is traced for compiling (Inductor picks its own layouts), not on the CUDA path
+    that tests and the GPU-cost proxies run on CPU tensors (:func:`~adaloss.core.array_ops.device_scalars`), and
+    not where oneDNN has float16 kernels."""
+    cpu_path = torch_cpu_on_host() and not torch.compiler.is_compiling()
+    if not cpu_path or torch._guards.detect_fake_mode((a, b)) is not None:  # the CUDA path, or a trace
+        return a, b
+    if a.shape[0] * a.shape[1] * b.shape[1] < _LAYOUT_FROM or _onednn_multiplies_half():
         return a, b
     if a.shape[1] >= _ROWS_DOT_ROWS_FROM:
         return a.contiguous(), b.t().contiguous().t()

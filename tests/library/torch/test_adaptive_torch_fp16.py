@@ -78,9 +78,11 @@ def test_a_linear_points_float16_cpu_products_are_laid_out_for_torchs_gemm_and_k
     """A Linear point's gradient products (gx = gy . W, dW = gy^T . x, alpha-scaled or not) take float16 CPU operands in
     the layout torch's float16 CPU GEMM runs fastest (a row-major and b column-major from an inner dimension of 128,
     else the other way round), and give the product of the operands as they came, each element accumulated in
-    float32; operands of a small product, and while a graph is traced for compiling, are left as they are."""
+    float32. Operands of a small product are left as they are, and so are those of the CUDA path run on CPU
+    tensors and of a graph traced for compiling."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from adaloss.core.array_ops import device_scalars
     from adaloss.torch.points import _cpu_half_layout, _mm
 
     gen = torch.Generator().manual_seed(inner)
@@ -99,6 +101,9 @@ def test_a_linear_points_float16_cpu_products_are_laid_out_for_torchs_gemm_and_k
     small_a, small_b = a[:8, :8], b[:8, :8].t().contiguous().t()  # a small product keeps its operands' layout
     kept_a, kept_b = _cpu_half_layout(small_a, small_b)
     assert kept_a is small_a and kept_b is small_b
+    with device_scalars():  # the CUDA path, as tests and the GPU-cost proxies run it on CPU tensors
+        on_device_path = _cpu_half_layout(a, b)
+    assert on_device_path[0] is a and on_device_path[1] is b
     with FakeTensorMode() as mode:
         fa, fb = mode.from_tensor(a), mode.from_tensor(b)
         ta, tb = _cpu_half_layout(fa, fb)
