@@ -208,6 +208,10 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     return (found, models) if keep_models else found
 
 
+#: :func:`count_kernels`' keys of the compilers' seconds (see :func:`_compiler_seconds`).
+COMPILER_SECONDS = ("aot_autograd_s", "inductor_forward_s", "inductor_backward_s")
+
+
 def _compiler_seconds() -> dict[str, float]:
     """The seconds spent so far in this process by AOT autograd (tracing the joint forward and backward, its graph
     passes and partition; without the forward's compile, which it calls) and by Inductor compiling forward graphs and
@@ -340,10 +344,9 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
         print(f"  {name:<24} {row['distinct']:>5d} kernels ({ratios[0]}), {row['configs']:>5d} configs ({ratios[1]})")
     print("  the compilers' work here (one thread, nothing cached; Triton code generated, not compiled): what a "
           "GPU's first steps spend on one host core besides Triton's binaries")
+    base_total = sum(found.get(REFERENCE, {}).get(key, 0.0) for key in COMPILER_SECONDS)
     for name, row in found.items():
-        total = row["aot_autograd_s"] + row["inductor_forward_s"] + row["inductor_backward_s"]
-        base = found.get(REFERENCE, {})
-        base_total = sum(base.get(key, 0.0) for key in ("aot_autograd_s", "inductor_forward_s", "inductor_backward_s"))
+        total = sum(row[key] for key in COMPILER_SECONDS)
         ratio = f"{total / base_total:.2f}x" if base_total else "-"
         print(f"  {name:<24} {total:>6.1f} s ({ratio}): AOT autograd {row['aot_autograd_s']:.1f} s, Inductor "
               f"forward {row['inductor_forward_s']:.1f} s, backward {row['inductor_backward_s']:.1f} s")
