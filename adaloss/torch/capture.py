@@ -37,7 +37,7 @@ from .modes.default import DefaultMode
 from .modes.eager import EagerMode
 from .scale_state import ScaleState
 
-__all__ = ["compiled", "install", "installed_state", "regional_pieces", "uninstall"]
+__all__ = ["compiled", "install", "installed_state", "uninstall"]
 
 #: Recompilations Dynamo may make per captured function before falling back to eager (train/eval, autocast on/off,
 #: new input shapes each need one); raised from torch's default of 8 once, when adaloss installs a capture.
@@ -184,18 +184,12 @@ def _check_piece_precision(piece: nn.Module, label: str) -> None:
                              "pure mode (the graph casts them itself)")
 
 
-def install(model: nn.Module, state: ScaleState, regional: bool = False) -> None:
+def install(model: nn.Module, state: ScaleState) -> None:
     """Make every call of ``model`` run through its transformed graph, in place (see the module docstring); a model
-    sharded with FSDP2 gets one graph per piece (:func:`sharded_pieces`), and with ``regional`` a model with
-    repeated blocks one graph per block (:func:`regional_pieces`)."""
+    sharded with FSDP2 gets one graph per piece (:func:`sharded_pieces`)."""
     if installed_state(model) is not None:
         raise TransformError(f"{type(model).__name__} already has an adaptive LossScaler; build one scaler per model")
     pieces = sharded_pieces(model)
-    if pieces is None and regional:
-        pieces = regional_pieces(model)
-        if pieces is not None:
-            _install_pieces(model, state, pieces)
-            return
     if pieces is None:
         model._compiled_call_impl = _Installed(compiled(model, state), state)
         return
@@ -239,48 +233,6 @@ def installed_state(model: nn.Module) -> ScaleState | None:
         if isinstance(installed, _Installed):
             return installed.state
     return None
-
-
-def regional_pieces(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """The pieces of ``LossScaler(compile="regional")``, or None for a model without repeated blocks (compiled
-    whole): every block of the outermost ``nn.Sequential`` or ``nn.ModuleList`` containers that hold two or more
-    blocks (a block: a module with children and parameters, as a Transformer or ResNet block), and every other
-    subtree that holds parameters and no such container (the embedding, the stem, the head).
-
-    Identical blocks give identical compiled graphs, which Inductor compiles once and loads from its cache for the
-    others. The pieces compose as an FSDP2 model's do (see :func:`sharded_pieces`): a piece's output leaves it in
-    float32 and its input's gradient at the loss's scale; what the model computes outside its pieces runs as it
-    is."""
-    def is_block(module: nn.Module) -> bool:
-        return any(True for _ in module.children()) and any(True for _ in module.parameters())
-
-    def block_container(module: nn.Module) -> bool:
-        return (isinstance(module, (nn.Sequential, nn.ModuleList))
-                and sum(is_block(child) for child in module.children()) >= 2)
-
-    def holds_blocks(module: nn.Module) -> bool:
-        return any(block_container(m) for m in module.modules())
-
-    if not holds_blocks(model):
-        return None
-    pieces: list[tuple[str, nn.Module]] = []
-
-    def visit(module: nn.Module, name: str) -> None:
-        prefix = f"{name}." if name else ""
-        if block_container(module):
-            for child_name, child in module.named_children():
-                if any(True for _ in child.parameters()):
-                    pieces.append((prefix + child_name, child))
-            return
-        if not holds_blocks(module):
-            if any(True for _ in module.parameters()):
-                pieces.append((name, module))
-            return
-        for child_name, child in module.named_children():
-            visit(child, prefix + child_name)
-
-    visit(model, "")
-    return pieces
 
 
 def sharded_pieces(model: nn.Module) -> list[tuple[str, nn.Module]] | None:

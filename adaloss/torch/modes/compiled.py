@@ -47,15 +47,20 @@ class CompiledMode(ExecutionMode):
     ``chosen``: the user asked for it (``compile=True``); otherwise it is the CUDA default, which compiles at most
     :data:`DEFAULT_COMPILED_GRAPHS` graphs and gives way to CUDA graphs (``GraphedStep``) without complaint.
     ``options``: Inductor options on top of :data:`INDUCTOR_OPTIONS` (``LossScaler(compile_options=...)``, checked
-    by :func:`check_inductor_options`)."""
+    by :func:`check_inductor_options`). ``blocks``: the model's repeated blocks (``regional.repeated_blocks``), each
+    group of identical ones compiled once (``compile="regional"``); ``outlined`` then records what each compiled
+    graph's outlining did (``regional.Outlined``)."""
 
     name = "compiled"
 
-    def __init__(self, chosen: bool = True, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, chosen: bool = True, options: Mapping[str, Any] | None = None,
+                 blocks: frozenset[str] | None = None) -> None:
         self.steps = 0
         self.graphs: list[CompiledSteps] = []
         self.chosen = chosen
         self.options = dict(options or {})
+        self.blocks = blocks or None
+        self.outlined: list[Any] = []
         self._shapes_warned = False
 
     @property
@@ -125,11 +130,12 @@ def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, 
     return dict(options)
 
 
-def compile_static(static: fx.GraphModule, example_inputs: list,
-                   options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def compile_static(static: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
+                   outlined: list | None = None) -> Callable[..., Any]:
     """``static`` compiled by Inductor, forward and backward, for ``example_inputs``' shapes, with
     :data:`INDUCTOR_OPTIONS` and ``options`` on top; with ``options``, a compiler failure in either is raised here
-    (without, one in the backward would be raised at its first call).
+    (without, one in the backward would be raised at its first call). ``outlined``: compile each group of identical
+    labelled blocks once (``regional.py``), appending what the outlining did to this list.
 
     Called as Dynamo would call its backend: inside a tracing context whose fake mode has a shape environment (all
     sizes static), without which Inductor bypasses its FX graph cache, so that a graph compiled once (in this
@@ -152,7 +158,9 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
             or patches.get("triton.force_cooperative_reductions", config.triton.force_cooperative_reductions)):
         _name_workspaces()  # (also when asked for through Inductor's own config or environment)
     marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
-    patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: source_digest()}  # (the user's kept)
+    # The digest keys both caches: a graph compiled with its blocks outlined is another graph.
+    digest = source_digest() + (":regional" if outlined is not None else "")
+    patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: digest}  # (the user's kept)
     # With the user's own Inductor options the backward is lowered here too, not lazily at its first call (AOT
     # autograd's default), where a compiler failure would be raised out of the user's backward() instead of falling
     # back to the eager steps (on the H200, cpp_wrapper=True failed so in the backward only). Not with the steps'
@@ -160,7 +168,13 @@ def compile_static(static: fx.GraphModule, example_inputs: list,
     # a CPU against 40-46 s (six runs each, noisy; a cost not explained, and not worth it for a failure not seen).
     with (tracing(TracingContext(fake_mode)), tracing_calls(calls),
           functorch_config.patch(force_non_lazy_backward_lowering=bool(options))):
-        return compile_fx(static, fakes, config_patches=patches)
+        if outlined is None:
+            return compile_fx(static, fakes, config_patches=patches)
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        from .regional import outlining_compiler
+        return compile_fx(static, fakes, config_patches=patches,
+                          inner_compile=outlining_compiler(compile_fx_inner, outlined))
 
 
 def _name_workspaces() -> None:
@@ -236,9 +250,10 @@ class CompiledSteps:
         layout = Layout()
         static = static_graph(self.gm, ["adaloss_coefficients"],
                               lambda module: reuse_call(module, layout, dtype, pure),
-                              static_inputs=self.mode.cuda_graphs)
+                              static_inputs=self.mode.cuda_graphs, blocks=self.mode.blocks)
         try:
-            self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)], self.mode.options)
+            self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)], self.mode.options,
+                                            self.mode.outlined if self.mode.blocks else None)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             self._failed = True
             _compile_failed("between-refresh", err)
@@ -277,10 +292,11 @@ class CompiledSteps:
         dtype, pure = compute_dtype(state)
         trace = new_trace(self.gm, state, self.plan)
         static = static_graph(self.gm, ["adaloss_scalars", "adaloss_sink"], refresh_call(trace, dtype, pure),
-                              begin=trace.begin, static_inputs=self.mode.cuda_graphs)
+                              begin=trace.begin, static_inputs=self.mode.cuda_graphs, blocks=self.mode.blocks)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
-                compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)], self.mode.options)
+                compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)], self.mode.options,
+                                          self.mode.outlined if self.mode.blocks else None)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             _compile_failed("refresh", err)
             return None

@@ -24,6 +24,8 @@ from adaloss.torch.scale_ops import (Begin, BranchPoint, InputPoint, OutputPoint
                                      times)
 from adaloss.torch.scale_state import GraphPlan, ScaleState
 
+from .regional import block_of_name, dynamo_block, label_block
+
 __all__ = ["Layout", "point_forward", "point_gradients", "reuse_call", "static_graph"]
 
 #: Where a coefficient's numerator or denominator comes from: a per-point array of the state and an index, the
@@ -235,11 +237,13 @@ def _inserted(node: fx.Node) -> Any:
 
 
 def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any], Callable[..., Any]],
-                 begin: Callable[..., Any] | None = None, static_inputs: bool = False) -> fx.GraphModule:
+                 begin: Callable[..., Any] | None = None, static_inputs: bool = False,
+                 blocks: frozenset[str] | None = None) -> fx.GraphModule:
     """A copy of the transformed graph ``gm`` with new last inputs named ``inputs``, in which every inserted point's
     node calls ``make_call(point)`` and the node that started an execution of the scale state becomes the (one) new
     input, or ``begin`` called on all of them. ``static_inputs``: tell Inductor which inputs are the model's
-    parameters and buffers (:func:`_keep_static_inputs`), for its CUDA graphs."""
+    parameters and buffers (:func:`_keep_static_inputs`), for its CUDA graphs. ``blocks``: the model's repeated
+    blocks, whose nodes are labelled for regional compilation (:func:`_label_blocks`)."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
@@ -265,11 +269,32 @@ def static_graph(gm: fx.GraphModule, inputs: list[str], make_call: Callable[[Any
     for node in graph.nodes:
         kept = node in objects and "example_value" in node.meta
         node.meta = {"example_value": node.meta["example_value"]} if kept else {}
+    if blocks:
+        _label_blocks(copies, blocks)
     graph.lint()
     static = fx.GraphModule(gm, graph)
     if static_inputs:
         _keep_static_inputs(gm, static, copies, added)
     return static
+
+
+def _label_blocks(copies: dict[fx.Node, fx.Node], blocks: frozenset[str]) -> None:
+    """Label each copied node with the repeated block it belongs to (``regional.py``): a node Dynamo traced by its
+    module stack, a point by its name (a layer's qualified name), a point named after a value (a branch, a block's
+    output) by the first of its users, then of its inputs, that has a block."""
+    own: dict[fx.Node, str | None] = {}
+    for old in copies:
+        module = _inserted(old)
+        if module is None:
+            own[old] = dynamo_block(old, blocks)
+        else:
+            names = getattr(module, "names", None) or [getattr(module, "name", "")]
+            own[old] = next((b for b in (block_of_name(n, blocks) for n in names) if b is not None), None)
+    for old, new in copies.items():
+        block = own[old]
+        if block is None and _inserted(old) is not None:
+            block = next((own[n] for n in [*old.users, *old.all_input_nodes] if own.get(n) is not None), None)
+        label_block(new, block)
 
 
 def _keep_static_inputs(gm: fx.GraphModule, static: fx.GraphModule, copies: dict[fx.Node, fx.Node],
