@@ -20,8 +20,8 @@ What is compared, per model, on ONE set of seeded initial weights and the same s
   captured in a CUDA graph (``GraphedStep``, fused SGD, the overflow skip applied on the device); their one host read
   per step brings the loss along. ``dynamic-graph`` is what GradScaler-style scaling gains from graphs alone, so
   ``adaptive-1-graph`` against it shows what the per-layer logic costs on the device.
-- ``adaptive-1-regional``, ``adaptive-100-regional``: ``compile="regional"``, compiled per repeated block (run by
-  default on CUDA, asked for on CPU).
+- ``adaptive-1-regional``, ``adaptive-100-regional``: ``compile="regional"``, the whole graph compiled with each
+  group of identical repeated blocks compiled once (run by default on CUDA, asked for on CPU).
 - ``gradscaler-compiled`` (run by default on CUDA), ``adaptive-1-compiled``, ``adaptive-100-compiled`` (asked
   for: on CUDA the default adaptive variants run these steps already): GradScaler on the model compiled by Inductor (``model.compile()``), and ``LossScaler(..., compile=True)``,
   whose refresh steps and steps between refreshes both run compiled. The compiled adaptive variants are checked

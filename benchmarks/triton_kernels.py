@@ -352,6 +352,9 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
               f"forward {row['inductor_forward_s']:.1f} s, backward {row['inductor_backward_s']:.1f} s")
     if not shape and any(name.endswith("-cooperative") for name in found):
         print("  *-cooperative: generated but not run (the interpreter cannot run a cooperative kernel)")
+    if any(name.endswith("-regional") for name in found):
+        print("  *-regional: MB count a shared block's kernels once, as they compile, not once per block that calls "
+              "them (a lower bound)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ COMPILED_VARIANTS = tuple(v for v in VARIANTS
                           if v.endswith(("-compiled", "-regional", "-reduce-overhead", "-cooperative")))
 #: ``adaptive-N-compiled``: ``compile=True``, on CUDA the same steps as the default ``adaptive-N``.
 ADAPTIVE_COMPILED = ("adaptive-1-compiled", "adaptive-100-compiled")
-#: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, compiled per repeated block.
+#: ``adaptive-N-regional``: ``LossScaler(..., compile="regional")``, identical repeated blocks compiled once.
 REGIONAL_VARIANTS = tuple(v for v in VARIANTS if v.endswith("-regional"))
 #: The variants whose default configuration compiles on CUDA.
 DEFAULT_ADAPTIVE = ("adaptive-1", "adaptive-100")
