@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 from adaloss.torch import LossScaler  # noqa: E402
 from adaloss.torch.modes.regional import label_block, outline_blocks, repeated_blocks  # noqa: E402
@@ -35,46 +34,35 @@ def test_the_repeated_blocks_are_transformer_blocks_and_resnet_stages_blocks():
     assert repeated_blocks(CifarResNet(8, 3, 10, width=4)) == frozenset()  # one block per stage
 
 
-class _Residual(nn.Module):
-    """A pre-norm residual MLP block, as a Transformer's."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 def _compare_regional_with_eager(device, autocast_dtype, rtol):
-    """Regional and eager steps side by side on the same weights and batches (refresh steps: every step); returns
-    the regional scaler."""
+    """A 4-block GPT trained with regional and with eager steps side by side, on the same weights and batches
+    (refresh steps: every step); returns the regional scaler."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), *(_Residual(16) for _ in range(4)), nn.Linear(16, 5)).to(device)
+    model = build_model(ModelConfig(name="gpt", width=16, layers=4, heads=2), (8,), 64).to(device)
     eager_model = copy.deepcopy(model)
     regional = LossScaler(model, "adaptive", compile="regional")
     eager = LossScaler(eager_model, "adaptive", compile=False)
-    assert regional.state.mode.blocks == {"1", "2", "3", "4"}
+    assert regional.state.mode.blocks == {f"blocks.{k}" for k in range(4)}
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model)]
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
-        x = torch.randn(32, 6, generator=gen).to(device)
-        y = torch.randint(0, 5, (32,), generator=gen).to(device)
+        x = torch.randint(0, 64, (4, 8), generator=gen).to(device)
+        y = torch.randint(0, 64, (4, 8), generator=gen).to(device)
         grads = []
         for m, scaler, optimizer in ((model, regional, optimizers[0]), (eager_model, eager, optimizers[1])):
             optimizer.zero_grad(set_to_none=True)
+            # Both of torch's compile caches off: a graph loaded from an earlier run is not outlined again.
             with torch._functorch.config.patch(enable_autograd_cache=False), \
                     torch._inductor.config.patch(fx_graph_cache=False), \
                     torch.autocast(device, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
-                loss = F.cross_entropy(m(x).float(), y)
+                loss = F.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())
             scaler.scale(loss).backward()
             grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
             scaler.step(optimizer)
             scaler.update()
         for name, g in grads[1].items():
-            torch.testing.assert_close(grads[0][name], g, rtol=rtol, atol=rtol / 10 * g.abs().max().item(), msg=name)
+            apart = ((grads[0][name] - g).abs().max() / g.abs().max()).item()
+            assert apart <= rtol, (step, name, apart)
         if step == 0:  # on the same weights (then each model takes its own step): powers of two, exactly
             for key in ("factor", "weight_factor", "weight_scale"):
                 torch.testing.assert_close(regional.state.arrays[key], eager.state.arrays[key], rtol=0, atol=0)
@@ -82,18 +70,16 @@ def _compare_regional_with_eager(device, autocast_dtype, rtol):
     assert mode.steps == 2
     forward, backward = mode.outlined[0], mode.outlined[1]
     assert not forward.backward and backward.backward
-    for outlined in (forward, backward):  # a subgraph, called by two blocks or more
-        assert outlined.subgraphs >= 1 and max(map(len, outlined.blocks)) >= 2, outlined
-        assert outlined.outlined_nodes > 0
+    # A subgraph called by two blocks or more (the first and last blocks differ: the embedding feeds one, the head
+    # the other), in forward, attention included (tagged as seeded, it draws nothing without dropout), and backward.
+    for outlined in (forward, backward):
+        assert outlined.subgraphs == 1 and len(outlined.blocks[0]) >= 2, outlined
     return regional
 
 
 def test_regional_steps_compile_identical_blocks_once_and_give_the_eager_gradients_and_factors():
-    # Four identical blocks between a stem and a head: the last one's output goes to the head, and the first one's
-    # input gradient is the stem's output gradient, so not all four compile alike; at least two do, in forward and
-    # in backward. Float32, so that the comparison is tight (as the whole graph's compiled steps are held to in
-    # test_compiled_steps.py). Both of torch's compile caches off: a graph loaded from an earlier run is not
-    # outlined again.
+    # Float32, so that the comparison is tight (as the whole graph's compiled steps are held to in
+    # test_compiled_steps.py).
     _compare_regional_with_eager("cpu", None, rtol=1e-5)
 
 
