@@ -26,15 +26,16 @@ from __future__ import annotations
 import collections
 import heapq
 import operator
-import re
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["BLOCK_META", "Outlined", "block_of_name", "label_block", "outline_blocks", "outlining_compiler",
-           "repeated_blocks"]
+from adaloss.torch.graph_ops import module_path
+
+__all__ = ["BLOCK_META", "Outlined", "block_of_name", "dynamo_block", "label_block", "outline_blocks",
+           "outlining_compiler", "repeated_blocks"]
 
 #: The node meta key a block's name travels in. AOT autograd copies a forward node's ``nn_module_stack`` to the
 #: ATen nodes it traces from it, forward (``nn_module_stack``) and backward (``fwd_nn_module_stack``); here it
@@ -69,20 +70,13 @@ def block_of_name(name: str, blocks: frozenset[str]) -> str | None:
     return None
 
 
-def _module_path(dynamo_path: str) -> str:
-    """A qualified module name from Dynamo's ``nn_module_stack`` path (``L['self'].blocks[0].attn`` or
-    ``L['model'].layer3.2``)."""
-    path = re.sub(r"^L\['[^']*'\]\.?", "", dynamo_path)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
-
-
 def dynamo_block(node: fx.Node, blocks: frozenset[str]) -> str | None:
-    """The block a node of Dynamo's graph was traced in, from its module stack (innermost first), or None."""
+    """The block a node of Dynamo's graph was traced in, from its module stack (named as the points are), or
+    None."""
     stack = node.meta.get("nn_module_stack") or {}
     for value in reversed(list(stack.values())):
         path = value[0] if isinstance(value, tuple) else str(value)
-        block = block_of_name(_module_path(path), blocks)
+        block = block_of_name(module_path(path), blocks)
         if block is not None:
             return block
     return None
