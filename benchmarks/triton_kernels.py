@@ -146,7 +146,8 @@ def _prepare_interpreter() -> list[int]:
 
 
 def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False,
-                  gpu_shape_batch: int | None = None, run_kernels: bool | None = None) -> Any:
+                  gpu_shape_batch: int | None = None, run_kernels: bool | None = None,
+                  layers: int | None = None) -> Any:
     """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
     steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), and
     the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
@@ -160,7 +161,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     the Triton binaries.
     ``keep_models``: also return each variant's model after those steps, (counts, models). ``gpu_shape_batch``: the
     CUDA benchmark's model shape with this batch size (``--gpu-shape``). ``run_kernels``: False counts the launches
-    without running them, zero-filling their arguments; by default they run, except at the GPU's shape."""
+    without running them, zero-filling their arguments; by default they run, except at the GPU's shape.
+    ``layers``: the GPT's blocks instead of the workload's (``--layers``: how compiling grows with the depth)."""
     import logging
 
     import torch
@@ -173,6 +175,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         work = workload_for(model, "cpu", quick)
     else:
         work = replace(workload_for(model, "cuda", False), batch_size=gpu_shape_batch)
+    if layers is not None:
+        work = replace(work, layers=layers)
     initial, batches = build_initial(work, "cpu")
     found, models = {}, {}
     log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")  # Inductor counts bytes when enabled
@@ -374,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="the CUDA benchmark's model shape (e.g. the nanoGPT's 6 blocks of width 384 at 256 "
                             "tokens) at batch BATCH (default 8), its kernels generated and counted but not run: "
                             "what a deep model's refresh launches, which --quick's one narrow block under-counts")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help="the GPT's blocks instead of its workload's (e.g. 12 with --gpu-shape: how a variant's "
+                             "compiling grows with the depth; the other models have no such knob)")
     parser.add_argument("--compile-for-gpu", type=int, nargs="?", const=GPU_CAPABILITY, metavar="CC",
                         help="also compile every Triton config of the kernels each variant launched for an NVIDIA "
                              f"GPU of compute capability CC (default {GPU_CAPABILITY}: H100, H200) on this CPU, and "
@@ -383,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
                              "repeat for more")
     args = parser.parse_args(argv)
+    if args.compile_for_gpu is not None and args.compile_for_gpu < 50:
+        parser.error(f"--compile-for-gpu: a compute capability as Triton names it (e.g. 90 for 9.0), got "
+                     f"{args.compile_for_gpu}")
+    if args.gpu_shape is not None and args.gpu_shape < 1:
+        parser.error(f"--gpu-shape: the batch must be at least 1, got {args.gpu_shape}")
+    if args.layers is not None and (args.layers < 1 or args.models != ["gpt"]):
+        parser.error(f"--layers: a number of blocks (1 or more) for --models gpt alone, got {args.layers} for "
+                     f"{' '.join(args.models)}")
     if not triton_available():
         print("python -m benchmarks.triton_kernels: needs the triton package (pip install triton; no GPU needed)",
               file=sys.stderr)
@@ -399,16 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     options = use_inductor_options(args.inductor_option)
     if args.inductor_option:
         print(f"Inductor options of the compiled adaptive steps: {options}")
-    if args.compile_for_gpu is not None and args.compile_for_gpu < 50:
-        parser.error(f"--compile-for-gpu: a compute capability as Triton names it (e.g. 90 for 9.0), got "
-                     f"{args.compile_for_gpu}")
-    if args.gpu_shape is not None and args.gpu_shape < 1:
-        parser.error(f"--gpu-shape: the batch must be at least 1, got {args.gpu_shape}")
     for model in args.models:
         shape = ""
         if args.gpu_shape is not None:
             shape = f"the CUDA benchmark's shape, batch {args.gpu_shape}"
-        found = count_kernels(model, variants, quick=not args.full, gpu_shape_batch=args.gpu_shape)
+        if args.layers is not None:
+            shape = f"{shape or 'the quick size'}, {args.layers} blocks"
+        found = count_kernels(model, variants, quick=not args.full, gpu_shape_batch=args.gpu_shape, layers=args.layers)
         report(model, found, shape)
         if args.compile_for_gpu is not None:
             files = sorted({kernel for row in found.values() for kernel in row["kernel_files"]})

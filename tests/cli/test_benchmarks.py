@@ -437,3 +437,17 @@ print(json.dumps({"found": found, "seconds": seconds, "interpret": os.environ.ge
     assert sum(len(times) for times in seconds.values()) == found["configs"]
     assert all(t > 0 for times in seconds.values() for t in times)
     assert result["interpret"] == "1" and result["cache_kept"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "resnet50", "--layers", "12"], "--layers: a number of blocks (1 or more) for --models gpt alone"),
+    (["--layers", "0"], "--layers: a number of blocks"),
+    (["--gpu-shape", "0"], "--gpu-shape: the batch must be at least 1"),
+], ids=["not-gpt", "no-blocks", "no-batch"])
+def test_triton_kernel_proxy_refuses_bad_sizes_before_it_needs_triton(capsys, argv, message):
+    # --layers (the GPT's blocks: how compiling grows with the depth) and the other sizes are checked first, so
+    # that a wrong one is named on a machine without Triton too.
+    from benchmarks import triton_kernels
+    with pytest.raises(SystemExit) as refused:
+        triton_kernels.main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
