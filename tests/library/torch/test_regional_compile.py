@@ -143,6 +143,21 @@ def test_a_block_that_draws_random_numbers_keeps_its_own_nodes(draw, outlined):
     assert (done.subgraphs, len(calls)) == ((1, 3) if outlined else (0, 0)), done
 
 
+def test_a_block_that_updates_a_tensor_in_place_keeps_its_own_nodes():
+    # (Batch norm's running statistics, where AOT autograd keeps the update in the graph.)
+    def updating(x, w, stats):
+        for _ in range(3):
+            x = torch.tanh(x @ w) + x
+            stats.add_(x.mean())
+        return x
+
+    gm = _labelled(updating, lambda k, n: f"b{k * 3 // n}", torch.randn(4, 8), torch.randn(8, 8), torch.zeros(()))
+    assert any(n.target is torch.ops.aten.add_.Tensor for n in gm.graph.nodes)
+    done = outline_blocks(gm)
+    assert done.subgraphs == 0 and not any(n.target is torch.ops.higher_order.invoke_subgraph
+                                           for n in gm.graph.nodes), done
+
+
 def test_regional_is_the_only_word_compile_takes():
     with pytest.raises(ValueError, match="compile='per-block'.*'regional'"):
         LossScaler(MLP(16, [8, 8], 3), "adaptive", compile="per-block")
