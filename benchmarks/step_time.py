@@ -77,7 +77,7 @@ from benchmarks.report import report_model
 from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, COOPERATIVE_VARIANTS,
                                   CUDA_ONLY_VARIANTS, EAGER_VARIANTS, GRAPH_VARIANTS, REDUCE_OVERHEAD_VARIANTS,
                                   REFERENCE, VARIANTS, Runner, Workload, build_initial, compiles, inductor_option,
-                                  refresh_period, synchronizer, use_inductor_options, workload_for)
+                                  model_choices, refresh_period, synchronizer, use_inductor_options, workload_for)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Untimed steps at least, where a variant compiles: its first two steps compile (see ``main``).
@@ -271,12 +271,6 @@ def _source_state() -> str | None:
 
 
 # -- command line -----------------------------------------------------------------------------------------------------
-
-def model_choices() -> list[str]:
-    """The models the torch benchmarks build: the app's (less the ViT) and torchvision's ResNet-50 layout."""
-    from adaloss_cli.backends.torch.models import MODEL_BUILDERS
-    return sorted(set(MODEL_BUILDERS) - {"vit"}) + ["resnet50"]
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(

@@ -362,7 +362,7 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.step_time import model_choices
+    from benchmarks.workloads import model_choices
     from benchmarks.workloads import VARIANTS, inductor_option, use_inductor_options
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.triton_kernels", description=__doc__.split("\n\n")[0])

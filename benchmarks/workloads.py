@@ -153,6 +153,12 @@ def workload_for(model: str, device: str, quick: bool, args: argparse.Namespace 
     return replace(base, **overrides)
 
 
+def model_choices() -> list[str]:
+    """The models the torch benchmarks build: the app's (less the ViT) and torchvision's ResNet-50 layout."""
+    from adaloss_cli.backends.torch.models import MODEL_BUILDERS
+    return sorted(set(MODEL_BUILDERS) - {"vit"}) + ["resnet50"]
+
+
 class Runner:
     """One variant's model copy, optimizer and scaler, and its training step."""
 
