@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import COMPILED_VARIANTS, VARIANTS
+from benchmarks.workloads import COMPILED_VARIANTS, VARIANTS, model_choices
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,7 +145,7 @@ def _print(model: str, variant: str, result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=None, help="default: resnet50 gpt on CUDA, resnet20 on CPU")
+    parser.add_argument("--models", nargs="+", default=None, choices=model_choices(), help="default: resnet50 gpt on CUDA, resnet20 on CPU")
     parser.add_argument("--variants", nargs="+", default=["adaptive-1-compiled"], choices=COMPILED_VARIANTS,
                         help="default: adaptive-1-compiled")
     parser.add_argument("--device", default="cpu")

@@ -451,3 +451,15 @@ def test_triton_kernel_proxy_refuses_bad_sizes_before_it_needs_triton(capsys, ar
     with pytest.raises(SystemExit) as refused:
         triton_kernels.main(argv)
     assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["step_time", "triton_kernels", "compile_time"])
+def test_every_torch_benchmark_refuses_an_unknown_model_with_exit_2(capsys, module):
+    # compile_time ran each (model, variant) in a child process, which reported the unknown model as a failed
+    # variant and exited 0; the model list is one, beside the workloads.
+    import importlib
+    main = getattr(importlib.import_module(f"benchmarks.{module}"), "main")
+    with pytest.raises(SystemExit) as refused:
+        main(["--models", "resnet51"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--models: invalid choice: 'resnet51'" in err and "'resnet50'" in err
