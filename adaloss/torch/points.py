@@ -14,6 +14,7 @@ backward divided by their scales, in float32. Each kind below supplies the three
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from adaloss.core.adaptive import rule_of
 from adaloss.core.adaptive_stats import CONV_AXES, LINEAR_AXES, conv_fan, linear_fan, underflow_fraction
+from adaloss.core.array_ops import torch_cpu_on_host
 from adaloss.core.scale_steps import layer_scale_step
 
 from .scale_ops import divide_to, multiply, same_factor
@@ -201,10 +203,51 @@ class ScalePoint(nn.Module):
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
 
+#: The inner dimension from which torch's own float16 CPU GEMM is fastest with each output element a dot product
+#: of two contiguous rows (see :func:`_cpu_half_layout`).
+_ROWS_DOT_ROWS_FROM = 128
+#: The products (m * k * n multiply-adds) below which operands keep their layout: there a copy costs about what
+#: the better layout saves (a (64, 64) @ (64, 64) product: 0.085 ms, 0.068 laid out).
+_LAYOUT_FROM = 64 ** 3
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha * (a @ b), alpha applied by the GEMM to its accumulator (``beta=0``: the added input, a 0-d zero made
-    once per device and dtype, is not read)."""
+
+@functools.cache
+def _onednn_multiplies_half() -> bool:
+    """Whether torch multiplies float16 matrices on this CPU with oneDNN (AVX512-FP16 or AMX), once per process."""
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _cpu_half_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` (m, k) and ``b`` (k, n), float16 on a CPU, copied where needed into the layout that torch's CPU
+    float16 GEMM multiplies fastest; the same product, each element accumulated in float32 as in every layout.
+
+    Without oneDNN's float16 kernels (CPUs without AVX512-FP16 or AMX, most of them) torch multiplies float16
+    matrices with a loop of its own whose speed depends on the operands' memory layout by up to 10x (measured on
+    one thread for m, k, n from 10 to 784: docs/benchmarks.md, "The CPU's float16 products"). From k = 128 on,
+    ``a`` row-major and ``b`` column-major (each output a dot product of two contiguous rows) is fastest, 2-10x
+    faster than both row-major; below, ``a`` column-major and ``b`` row-major, about 20% faster. A transposing copy
+    of an operand costs far less than either saving, except on small products, which keep their layout. Only on
+    the CPU path: not while a graph is traced for compiling (Inductor picks its own layouts), not on the CUDA path
+    that tests and the GPU-cost proxies run on CPU tensors (:func:`~adaloss.core.array_ops.device_scalars`), and
+    not where oneDNN has float16 kernels."""
+    cpu_path = torch_cpu_on_host() and not torch.compiler.is_compiling()
+    if not cpu_path or torch._guards.detect_fake_mode((a, b)) is not None:  # the CUDA path, or a trace
+        return a, b
+    if a.shape[0] * a.shape[1] * b.shape[1] < _LAYOUT_FROM or _onednn_multiplies_half():
+        return a, b
+    if a.shape[1] >= _ROWS_DOT_ROWS_FROM:
+        return a.contiguous(), b.t().contiguous().t()
+    return a.t().contiguous().t(), b.contiguous()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """alpha * (a @ b) for matrices; alpha (a host number) is applied by the GEMM to its accumulator (``beta=0``:
+    the added input, a 0-d zero made once per device and dtype, is not read). Float16 operands on a CPU are laid
+    out first for torch's CPU GEMM (:func:`_cpu_half_layout`)."""
+    if a.dtype == torch.float16 and a.device.type == "cpu":
+        a, b = _cpu_half_layout(a, b)
+    if alpha == 1.0:
+        return a @ b
     key = (a.device, a.dtype)
     zero = _ZEROS.get(key)
     if zero is None:
@@ -225,13 +268,10 @@ class LinearPoint(ScalePoint):
         return F.linear(x, w, b)
 
     def input_grad(self, gy, x, x_shape, w, alpha: float = 1.0):
-        if alpha == 1.0:
-            return (gy @ w).reshape(x_shape)
-        return _scaled_mm(gy.reshape(-1, w.shape[0]), w, alpha).reshape(x_shape)
+        return _mm(gy.reshape(-1, w.shape[0]), w, alpha).reshape(x_shape)
 
     def weight_grad(self, gy, x, w_shape, w, alpha: float = 1.0):
-        gy, x = gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1])
-        return gy @ x if alpha == 1.0 else _scaled_mm(gy, x, alpha)
+        return _mm(gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1]), alpha)
 
     def bias_grad(self, gy, dtype):
         return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=dtype)

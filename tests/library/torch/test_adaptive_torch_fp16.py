@@ -68,3 +68,43 @@ def test_forward_outputs_are_unchanged(name, mode):
     with torch.set_grad_enabled(mode == "train"):
         got = model(x)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+# --- 3. the CPU's float16 products: laid out for torch's own GEMM, the same values ---------------------------------
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_fp16_supported(), reason="oneDNN multiplies float16 on this CPU")
+@pytest.mark.parametrize("inner", [10, 64, 128, 300])
+def test_a_linear_points_float16_cpu_products_are_laid_out_for_torchs_gemm_and_keep_their_values(inner):
+    """A Linear point's gradient products (gx = gy . W, dW = gy^T . x, alpha-scaled or not) take float16 CPU operands in
+    the layout torch's float16 CPU GEMM runs fastest (a row-major and b column-major from an inner dimension of 128,
+    else the other way round), and give the product of the operands as they came, each element accumulated in
+    float32. Operands of a small product are left as they are, and so are those of the CUDA path run on CPU
+    tensors and of a graph traced for compiling."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adaloss.core.array_ops import device_scalars
+    from adaloss.torch.points import _cpu_half_layout, _mm
+
+    gen = torch.Generator().manual_seed(inner)
+    a = torch.randn(256, inner, generator=gen).half()
+    b = torch.randn(inner, 128, generator=gen).half()
+    la, lb = _cpu_half_layout(a, b.t().contiguous().t())
+    if inner >= 128:
+        assert la.is_contiguous() and lb.t().is_contiguous()
+    else:
+        assert la.t().is_contiguous() and lb.is_contiguous()
+    exact = a.double() @ b.double()
+    for alpha in (1.0, 0.25):
+        got = _mm(a, b, alpha).double()
+        assert torch.allclose(got, alpha * exact, rtol=2e-3, atol=1e-3 * float(exact.abs().max()))
+    assert torch.equal(_mm(a.float(), b.float()), a.float() @ b.float())  # float32: torch's own product, untouched
+    small_a, small_b = a[:8, :8], b[:8, :8].t().contiguous().t()  # a small product keeps its operands' layout
+    kept_a, kept_b = _cpu_half_layout(small_a, small_b)
+    assert kept_a is small_a and kept_b is small_b
+    with device_scalars():  # the CUDA path, as tests and the GPU-cost proxies run it on CPU tensors
+        on_device_path = _cpu_half_layout(a, b)
+    assert on_device_path[0] is a and on_device_path[1] is b
+    with FakeTensorMode() as mode:
+        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+        ta, tb = _cpu_half_layout(fa, fb)
+        assert ta is fa and tb is fb
