@@ -93,10 +93,11 @@ class LossScaler:
             a model sharded with FSDP2 or with a ``process_group``), every other case eager steps (on a CPU
             compiling costs seconds, and the digits MLP's eager step is as fast as its compiled one); the other
             methods leave the model as it is. ``"regional"`` (adaptive): compiled steps in which Inductor
-            compiles each group of identical repeated blocks (``modes/regional.py``) once, inside the whole graph: the same factors and
-            gradients, and for a Transformer a compile that hardly grows with its depth (Inductor's part of a
-            12-block GPT's first step 15 s against 40 s, measured on a CPU), for about 5% more kernels per step
-            (they cannot fuse across a block's boundary); on ResNet-50 a tenth less compiling, 17% more kernels.
+            compiles each group of identical repeated blocks (``modes/regional.py``) once, inside the whole
+            graph: the same factors and gradients, and for a Transformer a compile that hardly grows with its
+            depth (Inductor's part of a 12-block GPT's first step 15 s against 40 s, measured on a CPU), for
+            about 5% more kernels per step (they cannot fuse across a block's boundary); on ResNet-50 a tenth
+            less compiling, 17% more kernels.
         compile_options: Inductor options for what ``compile`` compiles (the names of ``torch.compile(options=...)``,
             keys of ``torch._inductor.config``), on top of adaloss's own for the adaptive steps (combo kernels).
             E.g. ``{"triton.cudagraphs": True}``: Inductor's CUDA graphs, which on an H200 took the nanoGPT's
