@@ -64,6 +64,11 @@ class CompiledMode(ExecutionMode):
         self._shapes_warned = False
 
     @property
+    def outlining(self) -> list | None:
+        """What :func:`compile_static` appends each graph's outlining to, or None where nothing is outlined."""
+        return self.outlined if self.blocks else None
+
+    @property
     def cuda_graphs(self) -> bool:
         """Whether Inductor wraps the compiled steps in its CUDA graphs (``triton.cudagraphs``, from the options or
         Inductor's own config)."""
@@ -253,7 +258,7 @@ class CompiledSteps:
                               static_inputs=self.mode.cuda_graphs, blocks=self.mode.blocks)
         try:
             self._compiled = compile_static(static, [*args, layout.gather(self.state, self.plan)], self.mode.options,
-                                            self.mode.outlined if self.mode.blocks else None)
+                                            self.mode.outlining)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             self._failed = True
             _compile_failed("between-refresh", err)
@@ -296,7 +301,7 @@ class CompiledSteps:
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU
                 compiled = compile_static(static, [*args, *self._refresh_inputs(trace.writes)], self.mode.options,
-                                          self.mode.outlined if self.mode.blocks else None)
+                                          self.mode.outlining)
         except Exception as err:  # a compiler failure must not stop training: the eager steps are correct
             _compile_failed("refresh", err)
             return None

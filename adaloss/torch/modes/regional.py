@@ -14,8 +14,9 @@ What stays outside a block's subgraph: nodes computed from the graph's inputs al
 (common subexpressions, such as the loss scale's reciprocal), and the refresh's sink entries (they sit at
 per-point positions of the sink, which differ from block to block). A block whose nodes update an input in place or
 draw random numbers (dropout; attention without dropout draws none) is not outlined: a shared subgraph would replay
-one block's random stream in every block. The scale handed from block to block stays data flow between the calls, so the factors and gradients are
-the whole graph's, up to Inductor's reduction order (the subgraph's kernels cannot fuse across its boundary).
+one block's random stream in every block. The scale handed from block to block stays data flow between the calls,
+so the factors and gradients are the whole graph's, up to Inductor's reduction order (the subgraph's kernels cannot
+fuse across its boundary).
 
 AOT autograd's own tracing still visits every block (it runs before this pass): that part of compiling still grows
 with depth.

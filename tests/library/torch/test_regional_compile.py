@@ -1,8 +1,9 @@
 """``LossScaler(model, "adaptive", compile="regional")``: the whole graph's compiled steps, in which each group of
 identical repeated blocks is compiled once (``adaloss.torch.modes.regional``).
 
-Held to the eager steps (the same gradients and factors, as the whole graph's compiled steps are), to the blocks users train (Transformer
-blocks, ResNet stages; none in a model of plain layers), and, on a graph built by hand, to the pass's own rules:
+Held to the eager steps (the same gradients and factors, as the whole graph's compiled steps are), to the blocks
+users train (Transformer blocks, ResNet stages; none in a model of plain layers), and, on a graph built by hand, to
+the pass's own rules:
 identical blocks share one subgraph and compute what they computed, and a block that draws random numbers keeps its
 own nodes.
 """
