@@ -11,12 +11,13 @@ function, its Triton backend does not. With combo kernels the H200 took 1.47x an
 
 How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
 the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
-(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Four adjustments, all
+(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Five adjustments, all
 inside this process, make a CPU-only machine do it: a constant Triton backend hash (there is no GPU driver to ask),
 ``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), CPU kernels admitted
 to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
-``INDUCTOR_OPTIONS``), and the GPU's rule for cooperative reductions applied to CPU tensors, for the
-``*-cooperative`` variants (Inductor never makes them for a CPU). Kernel *launches* are counted (a kernel run twice
+``INDUCTOR_OPTIONS``), the GPU's rule for cooperative reductions applied to CPU tensors, for the
+``*-cooperative`` variants (Inductor never makes them for a CPU), and the GPU's thresholds for storing a computation
+rather than inlining it into its users (a CPU's are larger). Kernel *launches* are counted (a kernel run twice
 counts twice), per step. The interpreter cannot run a cooperative kernel (its thread blocks wait for each other
 at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
@@ -90,8 +91,9 @@ def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, w
 
 
 def _prepare_interpreter() -> list[int]:
-    """The four adjustments of the module docstring, once per process; returns the launch counter (one element,
-    reset by the caller), which every Triton kernel Inductor runs increments."""
+    """The first four adjustments of the module docstring (the thresholds are set per compile), once per process;
+    returns the launch counter (one element, reset by the caller), which every Triton kernel Inductor runs
+    increments."""
     if _LAUNCHES:
         return _LAUNCHES
     import torch
@@ -187,7 +189,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         _RUN_KERNELS[0] = run and name not in COOPERATIVE_VARIANTS  # (see the module docstring)
         torch._dynamo.reset()
         compiler_before = _compiler_seconds()
-        with config.patch({"cpu_backend": "triton", "fx_graph_cache": False}):
+        with config.patch({**_gpu_thresholds(config), "cpu_backend": "triton", "fx_graph_cache": False}):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
             counts, megabytes = [], []
             _LAUNCHED.clear()
@@ -210,6 +212,15 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         models[name] = runner.model
     log.setLevel(level)
     return (found, models) if keep_models else found
+
+
+def _gpu_thresholds(config: Any) -> dict[str, int]:
+    """Inductor's thresholds for storing a pointwise computation rather than inlining it into its users, at the
+    values a GPU tensor gets: left unset, a CPU tensor gets larger ones (torch 2.13: 50 operations and 12 reads
+    against 30 and 8, as a C++ loop tolerates bigger bodies), which store fewer buffers and so change the kernels
+    a step launches."""
+    return {"realize_opcount_threshold": getattr(config, "_realize_opcount_threshold_default", 30),
+            "realize_acc_reads_threshold": getattr(config, "_realize_acc_reads_threshold_default", 8)}
 
 
 #: :func:`count_kernels`' keys of the compilers' seconds (see :func:`_compiler_seconds`).
