@@ -413,6 +413,37 @@ print(json.dumps(found))
     assert (untuned["refresh"], untuned["steady"]) == (combo["refresh"], combo["steady"])
 
 
+def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_counts():
+    # At the GPU's batch the float16 products and attention would take minutes on a CPU (--gpu-shape 64); a count
+    # whose Triton kernels are not run no longer needs their values. Leaving the count puts torch's back.
+    import torch
+    import torch.nn.functional as F
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from benchmarks.triton_kernels import _library_products_zeroed
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+
+    def attend() -> tuple:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        return out, grads
+
+    real_out, real_grads = attend()
+    with _library_products_zeroed(True):
+        product = extern_kernels.mm(a, b, out=torch.full((4, 5), 7.0))
+        out, grads = attend()
+        assert not product.any() and product.shape == (4, 5)
+        assert not out.any() and out.shape == real_out.shape
+        assert all(not g.any() and g.shape == r.shape for g, r in zip(grads, real_grads))
+    assert torch.equal(extern_kernels.mm(a, b, out=torch.empty(4, 5)), a @ b)
+    out, grads = attend()
+    assert torch.equal(out, real_out) and all(torch.equal(g, r) for g, r in zip(grads, real_grads))
+    with _library_products_zeroed(False):  # kernels that run need the real values
+        assert torch.equal(extern_kernels.mm(a, b, out=torch.empty(4, 5)), a @ b)
+
+
 @pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
 def test_the_gpu_compile_proxy_compiles_every_config_of_every_kernel_launched_for_an_h100():
     """``--compile-for-gpu``: each Triton config of each kernel a compiled step launched is compiled for an
