@@ -24,11 +24,12 @@ at a grid barrier), so the cooperative variants are always counted as ``--gpu-sh
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
 tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
 zero-fills its tensor arguments instead, so that the steps run as with all-zero values (no overflow, and the
-steps between refreshes come) and the count is the GPU's, kernel for kernel, at that shape. The matrix products a
-compiled graph hands to a library, and CPU attention, give zeros too (each float16 product at batch 64 would take
-seconds on a CPU). The batch is 8 by default; the benchmark's own 64 takes about 5 minutes for the nanoGPT's two
-default variants, and some reductions split differently there: compiled GradScaler's nanoGPT step launches 175
-kernels at batch 8 and at 64, the default refresh 292 at batch 8 and 326 at 64.
+steps between refreshes come) and the count is the GPU's, kernel for kernel, at that shape. The matrix products and
+convolutions a compiled graph hands to a library, and CPU attention, give zeros too (each float16 product at batch
+64 would take seconds on a CPU). The batch is 8 by default; the benchmark's own 64 takes about 5 minutes for the
+nanoGPT's compiled GradScaler and default refresh, 8 for ResNet-50's, and some reductions split differently there:
+compiled GradScaler's nanoGPT step launches 175 kernels at batch 8 and at 64, the default refresh 292 at batch 8
+and 326 at 64.
 
 Beside the launches it counts what a GPU compiles at the first steps: the distinct kernels the steps launched and
 their Triton configs, one binary each (ResNet-50's default refresh at the GPU shape: 223 kernels, 612 configs;
@@ -222,47 +223,56 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
 
 @contextlib.contextmanager
 def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
-    """While ``zeroed``: the matrix products a compiled graph hands to a library with an output buffer
-    (``extern_kernels.mm``, ``addmm``, ``bmm``, ``baddbmm``, ``bias_addmm``; convolutions still run) and CPU
-    attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) give zeros of their results'
-    shapes and layouts instead of computing them. For counts whose Triton kernels are not run either, where the
-    values no longer matter: on a CPU a float16 product at the GPU's batch of 64 takes seconds (the nanoGPT's
-    three steps did not finish in 25 minutes), which this leaves out. The operator overrides are undone on leaving
-    (the library object that holds them is destroyed)."""
+    """While ``zeroed``: the products and convolutions a compiled graph hands to a library (``extern_kernels.mm``,
+    ``addmm``, ``bmm``, ``baddbmm``, ``bias_addmm``, ``convolution``; the CPU's ``convolution_backward``) and CPU
+    attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) give zeros of the shapes, strides
+    and dtypes their fake-tensor functions give (those Inductor compiled against), instead of computing them. For counts whose Triton kernels are not run
+    either, where the values no longer matter: on a CPU a float16 product at the GPU's batch of 64 takes seconds
+    (the nanoGPT's three steps did not finish in 25 minutes), which this leaves out. All is undone on leaving (the
+    library object that holds the operator overrides is destroyed)."""
     if not zeroed:
         yield
         return
     import torch
     from torch._inductor.select_algorithm import extern_kernels
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
 
-    def into_zeros(real: Callable[..., Any]) -> Callable[..., Any]:
-        def product(*args: Any, out: Any = None, **kwargs: Any) -> Any:
-            return real(*args, **kwargs) if out is None else out.zero_()
-        return product
+    def zeros_of(op: Callable[..., Any]) -> Callable[..., Any]:
+        def zeros(*args: Any, out: Any = None, **kwargs: Any) -> Any:
+            if out is not None:
+                return out.zero_()
+            fake = FakeTensorMode()  # (a CPU tensor's layouts, as Inductor computed them; the meta device's differ)
+            args, kwargs = tree_map(lambda v: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            with fake:
+                shapes = op(*args, **kwargs)
+            return tree_map(_zeros_like, shapes)
+        return zeros
 
-    def attention(query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False, *,
-                  attn_mask: Any = None, scale: Any = None) -> tuple:
-        batch, heads, length, _ = query.shape  # (the layouts of torch's meta function for this operator)
-        return torch.zeros_like(query), torch.zeros(batch, length, heads).transpose(1, 2)
-
-    def attention_backward(grad: Any, query: Any, key: Any, value: Any, *rest: Any, **kwargs: Any) -> tuple:
-        return tuple(torch.empty_permuted(t.size(), (0, 2, 1, 3), dtype=t.dtype).zero_() for t in (query, key, value))
-
-    products = {name: getattr(extern_kernels, name) for name in ("mm", "addmm", "bmm", "baddbmm", "bias_addmm")
-                if hasattr(extern_kernels, name)}
+    names = ("mm", "addmm", "bmm", "baddbmm", "bias_addmm", "convolution")
+    products = {name: getattr(extern_kernels, name) for name in names if hasattr(extern_kernels, name)}
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
-        library.impl("_scaled_dot_product_flash_attention_for_cpu", attention, "CPU")
-        library.impl("_scaled_dot_product_flash_attention_for_cpu_backward", attention_backward, "CPU")
+        for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                     "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution_backward"):
+            library.impl(name, zeros_of(getattr(torch.ops.aten, name).default), "CPU")
     for name, real in products.items():
-        setattr(extern_kernels, name, into_zeros(real))
+        setattr(extern_kernels, name, zeros_of(real))
     try:
         yield
     finally:
         for name, real in products.items():
             setattr(extern_kernels, name, real)
         library._destroy()
+
+
+def _zeros_like(value: Any) -> Any:
+    """Zeros on the CPU of a fake tensor's shape, strides and dtype (anything else as it is)."""
+    import torch
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype).zero_()
 
 
 def _gpu_thresholds(config: Any) -> dict[str, int]:

@@ -414,8 +414,9 @@ print(json.dumps(found))
 
 
 def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_counts():
-    # At the GPU's batch the float16 products and attention would take minutes on a CPU (--gpu-shape 64); a count
-    # whose Triton kernels are not run no longer needs their values. Leaving the count puts torch's back.
+    # At the GPU's batch the float16 products, convolutions and attention would take minutes on a CPU
+    # (--gpu-shape 64); a count whose Triton kernels are not run no longer needs their values, only their shapes and
+    # layouts. Leaving the count puts torch's own back.
     import torch
     import torch.nn.functional as F
     from torch._inductor.select_algorithm import extern_kernels
@@ -424,22 +425,25 @@ def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_c
     torch.manual_seed(0)
     a, b = torch.randn(4, 3), torch.randn(3, 5)
     q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+    image = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last).requires_grad_()
+    kernel = torch.randn(6, 3, 3, 3, requires_grad=True)
 
     def attend() -> tuple:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        grads = torch.autograd.grad(out.sum(), (q, k, v))
-        return out, grads
+        return (out, *torch.autograd.grad(out.sum(), (q, k, v)))
 
-    real_out, real_grads = attend()
+    def convolve() -> tuple:
+        out = extern_kernels.convolution(image, kernel, None, (2, 2), (1, 1), (1, 1), False, (0, 0), 1)
+        return (out, *torch.autograd.grad(F.conv2d(image, kernel, stride=2, padding=1).sum(), (image, kernel)))
+
+    real = attend() + convolve()
     with _library_products_zeroed(True):
         product = extern_kernels.mm(a, b, out=torch.full((4, 5), 7.0))
-        out, grads = attend()
         assert not product.any() and product.shape == (4, 5)
-        assert not out.any() and out.shape == real_out.shape
-        assert all(not g.any() and g.shape == r.shape for g, r in zip(grads, real_grads))
+        for zero, value in zip(attend() + convolve(), real):
+            assert not zero.any() and zero.shape == value.shape and zero.stride() == value.stride()
     assert torch.equal(extern_kernels.mm(a, b, out=torch.empty(4, 5)), a @ b)
-    out, grads = attend()
-    assert torch.equal(out, real_out) and all(torch.equal(g, r) for g, r in zip(grads, real_grads))
+    assert all(torch.equal(x, y) for x, y in zip(attend() + convolve(), real))
     with _library_products_zeroed(False):  # kernels that run need the real values
         assert torch.equal(extern_kernels.mm(a, b, out=torch.empty(4, 5)), a @ b)
 
