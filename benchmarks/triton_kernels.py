@@ -226,10 +226,10 @@ def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
     """While ``zeroed``: the products and convolutions a compiled graph hands to a library (``extern_kernels.mm``,
     ``addmm``, ``bmm``, ``baddbmm``, ``bias_addmm``, ``convolution``; the CPU's ``convolution_backward``) and CPU
     attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) give zeros of the shapes, strides
-    and dtypes their fake-tensor functions give (those Inductor compiled against), instead of computing them. For counts whose Triton kernels are not run
-    either, where the values no longer matter: on a CPU a float16 product at the GPU's batch of 64 takes seconds
-    (the nanoGPT's three steps did not finish in 25 minutes), which this leaves out. All is undone on leaving (the
-    library object that holds the operator overrides is destroyed)."""
+    and dtypes their fake-tensor functions give (those Inductor compiled against), instead of computing them. For
+    counts whose Triton kernels are not run either, where the values no longer matter: on a CPU a float16 product
+    at the GPU's batch of 64 takes seconds (the nanoGPT's three steps did not finish in 25 minutes), which this
+    leaves out. All is undone on leaving (the library object that holds the operator overrides is destroyed)."""
     if not zeroed:
         yield
         return
@@ -243,7 +243,8 @@ def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
             if out is not None:
                 return out.zero_()
             fake = FakeTensorMode()  # (a CPU tensor's layouts, as Inductor computed them; the meta device's differ)
-            args, kwargs = tree_map(lambda v: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            args, kwargs = tree_map(lambda v: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                                    (args, kwargs))
             with fake:
                 shapes = op(*args, **kwargs)
             return tree_map(_zeros_like, shapes)
