@@ -9,7 +9,10 @@ tensors under ``torch.profiler``, and
 - ``launches``: the leaf operations that do work (ATen operations with no ATen operation inside them, less views,
   metadata and allocations): each launches at least one CUDA kernel. The casts a CPU kernel makes before it runs
   (of an elementwise operation's operand of another dtype, of a 0-d operand such as a Python number) are left out
-  of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). Code Inductor compiled (the
+  of both counts: CUDA kernels read those operands as they are (see ``_cpu_only``). A multi-tensor operation
+  (``_foreach_copy_``, as a compiled refresh stores its values) counts once per tensor, as a CPU loops over them,
+  where CUDA launches one kernel per call; and torch's optimizers take the multi-tensor path only for CUDA tensors,
+  so here their per-parameter operations count for every variant alike. Code Inductor compiled (the
   ``-compiled`` variants, counted when asked for) adds each generated kernel it runs, as one launch: they are compiled with ``cpp.enable_kernel_profile``, so
   the profiler names every C++ kernel run (``..._cpp_fused_...``), where CUDA would run one Triton kernel per fused
   group. The extern kernels a compiled graph calls (GEMM, convolution) are ATen operations, counted as such;
