@@ -7,17 +7,20 @@ kernels; the bytes Inductor's C++ kernels move (``benchmarks.launches.compiled_b
 the C++ kernels run (``--launches``' ``generated``) 1.04x: Inductor's C++ backend fuses whole loop nests into one
 function, its Triton backend does not. With combo kernels the H200 took 1.47x and 0.96x, where the ``--quick`` count
 (one block of width 32) gives 1.20x and 0.69x: a shallow, narrow model under-counts a deep one's refresh.
-``--gpu-shape`` counts at the GPU benchmark's shape instead, 1.67x and 0.59x (292 and 104 kernels against 175).
+``--gpu-shape`` counts at the GPU benchmark's shape instead, 1.67x and 0.59x (292 and 104 kernels against 175); since
+the compiled steps derive the extremes a refresh already knows (``adaloss.torch.modes.derived_extremes``), 1.42x (248).
 
 How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
 the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
-(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Five adjustments, all
+(``TRITON_INTERPRET=1``), so that every step runs and gives the values it gives eagerly. Six adjustments, all
 inside this process, make a CPU-only machine do it: a constant Triton backend hash (there is no GPU driver to ask),
 ``libdevice`` calls answered by ``triton.language.math`` (the interpreter implements those), CPU kernels admitted
 to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled steps do: their
 ``INDUCTOR_OPTIONS``), the GPU's rule for cooperative reductions applied to CPU tensors, for the
 ``*-cooperative`` variants (Inductor never makes them for a CPU), and the GPU's thresholds for storing a computation
-rather than inlining it into its users (a CPU's are larger). Kernel *launches* are counted (a kernel run twice
+rather than inlining it into its users (a CPU's are larger), and 0-d tensors kept as buffers that kernels load and
+store, as a GPU's device tensors are (Inductor passes a 0-d CPU tensor to a Triton kernel as a number, meant for
+the CPU scalars of a CUDA graph, and a kernel that reuses one's memory for its output could not store to it). Kernel *launches* are counted (a kernel run twice
 counts twice), per step. The interpreter cannot run a cooperative kernel (its thread blocks wait for each other
 at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
@@ -29,7 +32,7 @@ convolutions a compiled graph hands to a library, and CPU attention, give zeros 
 64 would take seconds on a CPU). The batch is 8 by default; the benchmark's own 64 takes about 5 minutes for the
 nanoGPT's compiled GradScaler and default refresh, 8 for ResNet-50's, and some reductions split differently there:
 compiled GradScaler's nanoGPT step launches 175 kernels at batch 8 and at 64, the default refresh 292 at batch 8
-and 326 at 64.
+and 326 at 64 (248 and 270 with the derived extremes).
 
 Beside the launches it counts what a GPU compiles at the first steps: the distinct kernels the steps launched and
 their Triton configs, one binary each (ResNet-50's default refresh at the GPU shape: 223 kernels, 612 configs;
@@ -97,7 +100,7 @@ def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, w
 
 
 def _prepare_interpreter() -> list[int]:
-    """The first four adjustments of the module docstring (the thresholds are set per compile), once per process;
+    """The adjustments of the module docstring but the thresholds (set per compile), once per process;
     returns the launch counter (one element, reset by the caller), which every Triton kernel Inductor runs
     increments."""
     if _LAUNCHES:
@@ -105,7 +108,7 @@ def _prepare_interpreter() -> list[int]:
     import torch
     import torch.utils._triton as torch_triton
     import triton.language as tl
-    from torch._inductor import choices, scheduler
+    from torch._inductor import choices, graph, scheduler
     from torch._inductor.runtime import triton_helpers, triton_heuristics
 
     torch_triton.triton_hash_with_backend = lambda: "0" * 64  # no GPU driver to hash
@@ -127,6 +130,9 @@ def _prepare_interpreter() -> list[int]:
     rule = choices.InductorChoices.should_use_cooperative_reduction
     choices.InductorChoices.should_use_cooperative_reduction = staticmethod(
         _without_cpu_test(rule, choices, ' or device.type == "cpu"', "", "cooperative-reduction rule"))
+
+    # 0-d tensors as buffers, as a GPU's are: no graph here has Dynamo's unspecialised numbers, which this is for.
+    graph.GraphLowering.is_unspec_arg = lambda self, name: False
 
     _LAUNCHES.append(0)
     run = triton_heuristics.CachingAutotuner.run
