@@ -28,6 +28,7 @@ from adaloss.torch.scale_state import GraphPlan, ScaleState
 from .base import ExecutionMode
 from .cache_keys import STATIC_CALL, cacheable_graph, source_digest, tracing_calls
 from .compiled_refresh import new_trace, refresh_call
+from .derived_extremes import DerivedExtremes
 from .static_points import Layout, reuse_call, static_graph
 
 __all__ = ["CompiledMode", "CompiledSteps", "check_inductor_options"]
@@ -106,8 +107,11 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: and a compiled step's time on a GPU follows the kernels it launches: on the H200 the GPT's refresh step took
 #: 1.91x compiled GradScaler's time with 1.91x its Triton kernels, the step between refreshes 1.11x with 1.11x.
 #: Combo kernels cut those kernels by 36-38% (GPT, ResNet-20; counted on CPU with Triton's interpreter: ``python -m
-#: benchmarks.triton_kernels``), with the same values bit for bit.
-INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
+#: benchmarks.triton_kernels``), with the same values bit for bit. ``post_grad_custom_pre_pass``: the extremes a
+#: refresh reduces of a gradient that only a cast, a power-of-two product or a concatenation separates from one
+#: reduced before are computed from those instead (``derived_extremes.py``): a refresh of the nanoGPT at the GPU's
+#: shape launches 248 Triton kernels instead of 292.
+INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True, "post_grad_custom_pre_pass": DerivedExtremes()}
 
 
 def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
