@@ -108,7 +108,7 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: 1.91x compiled GradScaler's time with 1.91x its Triton kernels, the step between refreshes 1.11x with 1.11x.
 #: Combo kernels cut those kernels by 36-38% (GPT, ResNet-20; counted on CPU with Triton's interpreter: ``python -m
 #: benchmarks.triton_kernels``), with the same values bit for bit. ``post_grad_custom_pre_pass``: the extremes a
-#: refresh reduces of a gradient that only a cast, a power-of-two product or a concatenation separates from one
+#: refresh reduces of a gradient that only a cast, a product with one number or a concatenation separates from one
 #: reduced before are computed from those instead (``derived_extremes.py``): a refresh of the nanoGPT at the GPU's
 #: shape launches 248 Triton kernels instead of 292. ``force_pointwise_cat``: a concatenation of computed parts (a
 #: join's scaled q, k and v gradients) is one element-wise kernel, which the products' scaled copies of the result

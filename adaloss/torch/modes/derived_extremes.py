@@ -77,9 +77,9 @@ class _Deriver:
             if kind is not None:
                 self.reduced.setdefault(node.args[0], {}).setdefault(kind, node)
 
-    def plan(self, tensor: Any, before: int, depth: int = 0) -> Any:
+    def plan(self, tensor: Any, before: float, depth: int = 0) -> Any:
         """How to derive ``tensor``'s (min, max) from reductions placed before position ``before``: a nested tuple
-        (``_build``'s input), or None."""
+        (:meth:`build`'s input), or None."""
         if not isinstance(tensor, fx.Node) or depth > 32 or not _is_float_tensor(_value(tensor)):
             return None
         known = self.reduced.get(tensor, {})
@@ -103,7 +103,7 @@ class _Deriver:
             return None if not parts or None in parts else ("cat", parts, _value(tensor).dtype)
         return None
 
-    def _plan_scaled(self, tensor: fx.Node, before: int, depth: int) -> Any:
+    def _plan_scaled(self, tensor: fx.Node, before: float, depth: int) -> Any:
         """A product or quotient of a tensor and a one-element operand (placed before ``before``)."""
         a, b = tensor.args
         dtype = _value(tensor).dtype
