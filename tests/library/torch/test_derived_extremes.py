@@ -99,9 +99,21 @@ def test_extremes_of_values_that_do_not_keep_their_order_are_reduced_as_before()
     assert derive_extremes(gm.graph) == 0
 
 
-def test_the_compiled_steps_run_the_pass_and_its_uuid_keys_the_caches():
+def test_the_compiled_steps_run_the_pass_under_a_uuid_that_follows_its_source(tmp_path):
+    """Inductor's and AOT autograd's caches key a custom pass by its uuid: it must change with the pass's code, so
+    that a graph compiled by an older pass is not loaded."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from adaloss.torch.modes import derived_extremes
+
     assert isinstance(compiled.INDUCTOR_OPTIONS["post_grad_custom_pre_pass"], DerivedExtremes)
-    assert DerivedExtremes().uuid() == DerivedExtremes().uuid() and DerivedExtremes().uuid()
+    source = derived_extremes.__file__
+    assert DerivedExtremes().uuid() == get_hash_for_files((source,))
+    same, edited = tmp_path / "same.py", tmp_path / "edited.py"
+    same.write_bytes(open(source, "rb").read())
+    edited.write_bytes(open(source, "rb").read() + b"# edited\n")
+    assert get_hash_for_files((str(same),)) == DerivedExtremes().uuid()  # the contents, wherever they lie
+    assert get_hash_for_files((str(edited),)) != DerivedExtremes().uuid()
 
 
 @pytest.mark.usefixtures("one_thread")
