@@ -45,8 +45,10 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(BIN)/adaloss compare fp32 none fixed dynamic adaptive --config digits --set training.epochs=10
 
+# Two worker processes, each file on one of them (its module fixtures built once): most tests wait on processes
+# they start (CLI runs, torchrun, compiles), so two workers take about two thirds of one's time even on 2 cores.
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # A few minutes: the wheel as a user installs it, checked from the repository root and from another folder.
 check-wheel:
