@@ -54,11 +54,13 @@ import argparse
 import contextlib
 import copy
 import os
+import re
 import subprocess
 import sys
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 #: The compiled variants counted by default, and the reference of the ratios.
@@ -384,10 +386,20 @@ def _compile_for_gpu(path: str, capability: int) -> list[float]:
     return seconds
 
 
+def binaries_wall_seconds(times: list[list[float]], cores: int) -> tuple[float, float]:
+    """(a floor on the wall seconds a machine of ``cores`` cores takes to compile these binaries, the longest
+    kernel's seconds), from each kernel's per-config seconds: a compile worker builds every config of a kernel one
+    after another (Inductor's ``CachingAutotuner.precompile``), so one large kernel bounds the wall time from below
+    however many cores share the rest, and so does the CPU time spread evenly over every core."""
+    longest = max((sum(configs) for configs in times), default=0.0)
+    return max(sum(map(sum, times)) / cores, longest), longest
+
+
 def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list[float]], capability: int,
                        workers: int) -> None:
     """Print :func:`gpu_compile_seconds`' sums per variant: every config (what Inductor compiles by default) and
-    one per kernel (what it compiles with ``deterministic=True`` and ``triton.autotune_pointwise=False``)."""
+    one per kernel (what it compiles with ``deterministic=True`` and ``triton.autotune_pointwise=False``), and
+    :func:`binaries_wall_seconds`' floor on a GPU machine's cores, with the kernel that sets it."""
     cores = GPU_MACHINE_CORES
     print(f"  Triton binaries compiled for sm_{capability} on this CPU (Triton and ptxas, {workers} workers, "
           f"nothing cached): CPU seconds, and spread over {cores} cores (a GPU machine's compile workers)")
@@ -399,6 +411,24 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
         ratio = f" ({every / base:.2f}x)" if base else ""
         print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / cores:5.1f} s "
               f"on {cores} cores; one config per kernel {first:6.1f} CPU s, {first / cores:5.1f} s on {cores} cores")
+        floor, longest = binaries_wall_seconds(times, cores)
+        kernel, configs = max(zip(row["kernel_files"], times), key=lambda pair: sum(pair[1]))
+        print(f"  {'':<24} at least {floor:5.1f} s on {cores} cores: the longest kernel takes {longest:.1f} s, its "
+              f"{len(configs)} config(s) one after another in one worker ({_kernel_name(kernel)}, "
+              f"{_kernel_lines(kernel)} lines)")
+
+
+def _kernel_name(path: str) -> str:
+    """The Triton kernel's name in Inductor's generated module ``path``."""
+    found = re.search(r"def (triton_\w+)\(", Path(path).read_text())
+    return found.group(1) if found else Path(path).name
+
+
+def _kernel_lines(path: str) -> int:
+    """The lines of the kernel's body in Inductor's generated module ``path`` (what its compile time grows with)."""
+    text = Path(path).read_text()
+    start = text.find("@triton.jit")
+    return text[start:].count("\n") if start >= 0 else 0
 
 
 def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> None:
