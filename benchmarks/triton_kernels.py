@@ -386,13 +386,16 @@ def _compile_for_gpu(path: str, capability: int) -> list[float]:
     return seconds
 
 
-def binaries_wall_seconds(times: list[list[float]], cores: int) -> tuple[float, float]:
-    """(a floor on the wall seconds a machine of ``cores`` cores takes to compile these binaries, the longest
-    kernel's seconds), from each kernel's per-config seconds: a compile worker builds every config of a kernel one
-    after another (Inductor's ``CachingAutotuner.precompile``), so one large kernel bounds the wall time from below
-    however many cores share the rest, and so does the CPU time spread evenly over every core."""
-    longest = max((sum(configs) for configs in times), default=0.0)
-    return max(sum(map(sum, times)) / cores, longest), longest
+def binaries_wall_seconds(times: list[list[float]], cores: int) -> tuple[float, int | None]:
+    """(a floor on the wall seconds a machine of ``cores`` cores takes to compile these binaries, the index of the
+    kernel that takes longest; None for no kernels), from each kernel's per-config seconds: a compile worker builds
+    every config of a kernel one after another (Inductor's ``CachingAutotuner.precompile``), so one large kernel
+    bounds the wall time from below however many cores share the rest, and so does the CPU time spread evenly
+    over every core."""
+    if not times:
+        return 0.0, None
+    longest = max(range(len(times)), key=lambda k: sum(times[k]))
+    return max(sum(map(sum, times)) / cores, sum(times[longest])), longest
 
 
 def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list[float]], capability: int,
@@ -412,9 +415,9 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
         print(f"  {name:<24} {sum(map(len, times)):>5d} binaries: {every:7.1f} CPU s{ratio}, {every / cores:5.1f} s "
               f"on {cores} cores; one config per kernel {first:6.1f} CPU s, {first / cores:5.1f} s on {cores} cores")
         floor, longest = binaries_wall_seconds(times, cores)
-        kernel, configs = max(zip(row["kernel_files"], times), key=lambda pair: sum(pair[1]))
-        print(f"  {'':<24} at least {floor:5.1f} s on {cores} cores: the longest kernel takes {longest:.1f} s, its "
-              f"{len(configs)} config(s) one after another in one worker ({_kernel_name(kernel)}, "
+        kernel, configs = row["kernel_files"][longest], times[longest]
+        print(f"  {'':<24} at least {floor:5.1f} s on {cores} cores: the longest kernel takes {sum(configs):.1f} s, "
+              f"its {len(configs)} config(s) one after another in one worker ({_kernel_name(kernel)}, "
               f"{_kernel_lines(kernel)} lines)")
 
 

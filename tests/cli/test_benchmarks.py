@@ -478,10 +478,10 @@ def test_the_gpu_compile_floor_is_the_longest_kernels_configs_in_a_row_or_the_cp
     # A worker compiles a kernel's configs one after another: one large kernel (a compiled refresh's sink of
     # stored values is thousands of lines) sets the wall time however many cores share the rest.
     from benchmarks.triton_kernels import binaries_wall_seconds
-    floor, longest = binaries_wall_seconds([[7.5, 4.2], [1.0], [0.5, 0.5]], cores=16)
-    assert floor == longest == pytest.approx(11.7)
-    assert binaries_wall_seconds([[1.0]] * 64, cores=16) == (4.0, 1.0)
-    assert binaries_wall_seconds([], cores=16) == (0.0, 0.0)
+    floor, longest = binaries_wall_seconds([[0.5, 0.5], [7.5, 4.2], [1.0]], cores=16)
+    assert floor == pytest.approx(11.7) and longest == 1
+    assert binaries_wall_seconds([[1.0]] * 63 + [[2.0]], cores=16) == (65 / 16, 63)
+    assert binaries_wall_seconds([], cores=16) == (0.0, None)
 
 
 @pytest.mark.parametrize("argv, message", [
