@@ -260,21 +260,22 @@ class ScaleState(ScaleSchedule):
             table = torch.full((max(plan.num_slots, 1),), self.loss_scale, dtype=torch.float32, device=self.device)
         return Execution(self, plan, table)
 
-    def expect_refresh(self, execution: "Execution", sink: torch.Tensor, writes: Any,
+    def expect_refresh(self, execution: "Execution", sinks: list[torch.Tensor], writes: Any,
                        scalars: torch.Tensor) -> None:
-        """A compiled refresh step ran forward (``compiled_refresh.py``): once its backward has run, the gradient of
-        ``sink`` holds what the refresh stores, and :meth:`settle` copies it in (``writes`` says where;
+        """A compiled refresh step ran forward (``compiled_refresh.py``): once its backward has run, the gradients of
+        ``sinks`` hold what the refresh stores, and :meth:`settle` copies it in (``writes`` says where;
         ``scalars``: the graph's [loss scale, headroom], whose loss scale fills the table slots it did not write)."""
-        self._pending.append((execution, sink, writes, scalars))
+        self._pending.append((execution, sinks, writes, scalars))
 
     def settle(self) -> None:
         """Store what compiled refresh steps computed in their backward (the factors, caches and ``execution``'s
         table); an execution whose backward did not run stores nothing, as an eager one. Called before anything
         reads the state after a backward."""
         pending, self._pending = self._pending, []
-        for execution, sink, writes, scalars in pending:
-            if sink.grad is not None:
-                writes.store(self, execution, sink.grad, scalars[0])
+        for execution, sinks, writes, scalars in pending:
+            values = writes.gathered(sinks)
+            if values is not None:
+                writes.store(self, execution, values, scalars[0])
                 self.ran_backward(execution)
 
     def ran_backward(self, execution: "Execution") -> None:

@@ -289,17 +289,17 @@ class CompiledSteps:
             return self.gm.forward(*args)
         compiled, writes = entry
         execution = state.begin(self.plan)
-        scalars, sink = self._refresh_inputs(writes)
-        state.expect_refresh(execution, sink, writes, scalars)
+        scalars, *sinks = self._refresh_inputs(writes)
+        state.expect_refresh(execution, sinks, writes, scalars)
         self.mode.steps += 1
-        return compiled(*args, scalars, sink)
+        return compiled(*args, scalars, *sinks)
 
-    def _refresh_inputs(self, writes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """[loss scale (what every table slot holds before backward writes it), headroom] and a fresh sink."""
+    def _refresh_inputs(self, writes: Any) -> list[torch.Tensor]:
+        """[loss scale (what every table slot holds before backward writes it), headroom] and fresh sinks."""
         state = self.state
         scalars = torch.full((2,), state.loss_scale, dtype=torch.float32, device=state.device)
         scalars[1:].fill_(state.headroom)  # two fills: no copy from host memory, which would wait for the device
-        return scalars, torch.zeros(writes.size, device=state.device, requires_grad=True)
+        return [scalars, *writes.new_sinks(state.device)]
 
     def _compile_refresh(self, args: tuple) -> Any:
         from adaloss.core.array_ops import traced_scalars
@@ -307,7 +307,8 @@ class CompiledSteps:
         state = self.state
         dtype, pure = compute_dtype(state)
         trace = new_trace(self.gm, state, self.plan)
-        static = static_graph(self.gm, ["adaloss_scalars", "adaloss_sink"], refresh_call(trace, dtype, pure),
+        inputs = ["adaloss_scalars", *(f"adaloss_sink{k}" for k in range(trace.writes.sinks))]
+        static = static_graph(self.gm, inputs, refresh_call(trace, dtype, pure),
                               begin=trace.begin, static_inputs=self.mode.cuda_graphs, blocks=self.mode.blocks)
         try:
             with traced_scalars():  # the factor math traced as tensor operations, also on CPU

@@ -11,9 +11,15 @@ into one graph. Two things an eager backward does through Python state become da
   the backward, through a dictionary of traced values (:class:`_Trace`): the compiled code computes it where the
   eager code would have read it;
 - what a refresh stores (each point's five factors and scales, every table slot, the caches of branch and output
-  points) leaves backward as the gradient of a *sink*, a vector input that every point takes and ignores in forward:
-  each point's backward returns its values at its own positions of that gradient, autograd adds them up, and
-  :meth:`ScaleState.settle` copies the sum into the state before anything reads it.
+  points) leaves backward as the gradients of *sinks*, vector inputs that the points take and ignore in forward:
+  each point's backward returns its values at its own positions of its sink's gradient, autograd adds them up, and
+  :meth:`ScaleState.settle` copies the sum into the state before anything reads it. Consecutive points share a sink,
+  at most :data:`SINK_GROUP_ENTRIES` values to a sink: Inductor fuses a sink's gradient into one element-wise kernel
+  that computes again, inline, the factor math of each value no other kernel stored, and a GPU compiles the configs
+  of one kernel one after another, so one sink for all of ResNet-50's 431 values was an 8,189-line kernel that took
+  10 s to compile for an H100 on one core, at the end of the backward, where nothing else overlaps it
+  (``python -m benchmarks.triton_kernels --compile-for-gpu``). A further sink costs at most one launch per refresh
+  (Inductor's combo kernels put most beside other kernels), and the store sums the sinks' gradients (two kernels).
 
 The headroom (the overflow policy's back-off, a number every bound uses) is an input of the graph, beside the loss
 scale (``c = [loss scale, headroom]``): an overflow's back-off, and the growth back after it, run the graph already
@@ -47,6 +53,9 @@ __all__ = ["RefreshWrites", "refresh_call"]
 
 #: A scale point's values in the sink, in the order of ``ScaleState``'s per-point arrays that a refresh writes.
 POINT_VALUES = ("unbound", "weight_unbound", "factor", "weight_factor", "weight_scale")
+#: The most values the points that share a sink store (see the module docstring): a point stores its five, a table
+#: slot and its mark, a branch or output point a slot, its mark and its cache.
+SINK_GROUP_ENTRIES = 128
 
 
 class RefreshWrites:
@@ -63,7 +72,9 @@ class RefreshWrites:
     #: Not read while a graph is traced (``cache_keys.py``): the device copy of the point indices.
     cache_key_ignores = frozenset({"_on_device"})
 
-    def __init__(self, plan: GraphPlan, point_indices: list[int], cache_names: list[str]) -> None:
+    def __init__(self, plan: GraphPlan, point_indices: list[int], cache_names: list[str], sinks: int = 1) -> None:
+        #: How many sinks the refresh graph takes: each holds, at the positions below, the values of its points.
+        self.sinks = sinks
         self.point_indices = point_indices
         self.points = len(point_indices)
         self.point_order = {index: j for j, index in enumerate(point_indices)}
@@ -87,6 +98,20 @@ class RefreshWrites:
         if self._on_device is None or self._on_device[0] != device:
             self._on_device = (device, torch.tensor(self.point_indices, dtype=torch.long).to(device))
         return self._on_device[1]
+
+    def new_sinks(self, device: torch.device) -> list[torch.Tensor]:
+        """Fresh sinks for one refresh step, left uninitialised (no kernel, where zeros would launch one per sink):
+        nothing reads their values, only their gradients matter."""
+        return [torch.empty(self.size, device=device, requires_grad=True) for _ in range(self.sinks)]
+
+    @staticmethod
+    def gathered(sinks: list[torch.Tensor]) -> torch.Tensor | None:
+        """What a refresh stores: the sum of its sinks' gradients (each holds its points' values, zeros elsewhere),
+        one kernel or two; None where the backward did not run."""
+        grads = [sink.grad for sink in sinks if sink.grad is not None]
+        if not grads:
+            return None
+        return grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
 
     def store(self, state: ScaleState, execution: Execution, values: torch.Tensor, loss_scale: torch.Tensor) -> None:
         """Copy a refresh's values (the sink's gradient) into the state and the execution's table: a few kernels
@@ -114,21 +139,25 @@ class RefreshWrites:
 
 class _Trace:
     """What the refresh points share while Inductor traces the backward: the table slots written so far (traced
-    0-d values), the sink's layout and the scale options. Reset by the graph's first node at every trace."""
+    0-d values), the sinks' layout, which sink each point adds to, and the scale options. Reset by the graph's first
+    node at every trace."""
 
-    #: Not read while a graph is traced, before its first node empties them (``cache_keys.py``): the traced values.
-    cache_key_ignores = frozenset({"slots"})
+    #: Not read while a graph is traced, before its first node empties them (``cache_keys.py``): the traced values;
+    #: and which sink each point adds to, by the point's ``id`` (a function of the graph, which a key holds: the
+    #: points' calls close over their sink's number).
+    cache_key_ignores = frozenset({"slots", "sink_of"})
 
-    def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan) -> None:
+    def __init__(self, writes: RefreshWrites, state: ScaleState, plan: GraphPlan, sink_of: dict[int, int]) -> None:
         self.writes, self.options = writes, state.options
         self.origin_slot = plan.origin_slot
+        self.sink_of = sink_of
         self.slots: dict[int, torch.Tensor] = {}
 
-    def begin(self, c: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The graph's first node: ([loss scale, headroom], sink), which every point takes, and a fresh set of
+    def begin(self, c: torch.Tensor, *sinks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The graph's first node: ([loss scale, headroom], *sinks), which every point takes, and a fresh set of
         slots."""
         self.slots = {}
-        return c, sink
+        return (c, *sinks)
 
     def read(self, c: torch.Tensor, slot: int) -> torch.Tensor:
         """The accumulated scale of ``slot``: what a point below wrote, else the loss scale ``c[0]``."""
@@ -285,20 +314,22 @@ class _RefreshInput(torch.autograd.Function):
 
 def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callable[[Any], Callable[..., Any]]:
     """For the static graph builder: what replaces each inserted point's node in a refresh graph, a function of
-    ((coefficients, sink), *its inputs)."""
+    ((coefficients, *sinks), *its inputs)."""
 
     def make(module: Any) -> Callable[..., Any]:
+        sink = 1 + trace.sink_of.get(id(module), 0)  # where its sink sits in ``shared``, after the scalars
         if isinstance(module, ScalePoint):
             def point(shared, x, weight, bias=None):
-                return _RefreshPoint.apply(module, trace, dtype, *shared, x, weight, bias)
+                return _RefreshPoint.apply(module, trace, dtype, shared[0], shared[sink], x, weight, bias)
             return point
         if isinstance(module, ParamUse):
             cast = dtype if (module.castable and pure) else None
             return lambda shared, *ps: _RefreshParamUse.apply(module, trace, cast, shared[0], *ps)
         if isinstance(module, BranchPoint):
-            return lambda shared, *xs: _RefreshMerge.apply(module, trace, *shared, *xs)
+            return lambda shared, *xs: _RefreshMerge.apply(module, trace, shared[0], shared[sink], *xs)
         if isinstance(module, OutputPoint):
-            return lambda shared, y, *operands: _RefreshOutput.apply(module, trace, dtype, *shared, y, *operands)
+            return lambda shared, y, *operands: _RefreshOutput.apply(module, trace, dtype, shared[0], shared[sink], y,
+                                                                     *operands)
         if isinstance(module, InputPoint):
             cast = dtype if pure else None
             return lambda shared, x: _RefreshInput.apply(module, trace, cast, shared[0], x)
@@ -310,6 +341,29 @@ def refresh_call(trace: _Trace, dtype: torch.dtype | None, pure: bool) -> Callab
 def new_trace(gm: Any, state: ScaleState, plan: GraphPlan) -> _Trace:
     """The writes layout and trace context of ``gm``'s refresh graph."""
     adaloss = gm.adaloss
+    sink_of, sinks = sink_groups(gm)
     writes = RefreshWrites(plan, [p.index for p in adaloss.points],
-                           [m.name for m in list(adaloss.outputs) + list(adaloss.branches)])
-    return _Trace(writes, state, plan)
+                           [m.name for m in list(adaloss.outputs) + list(adaloss.branches)], sinks)
+    return _Trace(writes, state, plan, sink_of)
+
+
+def sink_groups(gm: Any, limit: int | None = None) -> tuple[dict[int, int], int]:
+    """({id of each point that stores values: its sink}, the number of sinks): the points in the order of ``gm``'s
+    graph (forward order; backward reaches them in about the reverse), a new sink wherever the values of the points
+    sharing one would pass ``limit`` (default :data:`SINK_GROUP_ENTRIES`)."""
+    limit = SINK_GROUP_ENTRIES if limit is None else limit
+    sink_of: dict[int, int] = {}
+    sink, entries = 0, 0
+    for node in gm.graph.nodes:
+        module = getattr(node.target, "__self__", None) if node.op == "call_function" else None
+        if isinstance(module, ScalePoint):
+            count = len(POINT_VALUES) + 2  # its values, its table slot and the slot's mark
+        elif isinstance(module, (BranchPoint, OutputPoint)):
+            count = 3  # a table slot, its mark and a cache
+        else:
+            continue
+        if entries and entries + count > limit:
+            sink, entries = sink + 1, 0
+        sink_of[id(module)] = sink
+        entries += count
+    return sink_of, sink + 1

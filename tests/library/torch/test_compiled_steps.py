@@ -281,6 +281,21 @@ def test_compiled_refreshes_give_the_eager_gradients_and_factors_in_float32(monk
     assert static_inputs == [[]]
 
 
+def test_a_refresh_split_over_several_sinks_stores_what_the_eager_steps_store(monkeypatch):
+    # Consecutive points share a sink, up to SINK_GROUP_ENTRIES values (one kernel each for Inductor to compile,
+    # where one sink for a deep model is one huge kernel): here a sink per scale point. Every point's values, every
+    # table slot and cache still land where the eager refresh puts them, step after step.
+    from adaloss.torch.modes import compiled_refresh
+
+    monkeypatch.setattr(compiled_refresh, "SINK_GROUP_ENTRIES", len(compiled_refresh.POINT_VALUES) + 2)
+    scaler = _compare_with_eager("cpu", None, rtol=1e-5, steps=3, period=1, net=_TwoHeads)
+    graph = scaler.state.mode.graphs[0]
+    writes = graph.refresh_entry[1]
+    assert writes.sinks >= len(scaler.state.names) == 5
+    sink_of, sinks = compiled_refresh.sink_groups(graph.gm)
+    assert sinks == writes.sinks and sorted(set(sink_of.values())) == list(range(sinks))
+
+
 @pytest.fixture
 def static_inputs(monkeypatch):
     """The static input indices Inductor is given for each forward it compiles, recorded as they are found (with
@@ -339,6 +354,16 @@ def test_a_refresh_stores_each_value_of_each_point_its_table_and_its_caches_wher
         assert state.arrays[name].tolist() == expected, name
     assert execution.table.tolist() == [7.0, 1024.0, 9.0]
     assert (caches["out"].item(), caches["branch"].item()) == (0.5, 0.25)
+
+
+def test_a_refresh_gathers_its_sinks_gradients_and_nothing_when_its_backward_did_not_run():
+    from adaloss.torch.modes.compiled_refresh import RefreshWrites
+
+    sinks = [torch.zeros(4, requires_grad=True) for _ in range(3)]
+    assert RefreshWrites.gathered(sinks) is None  # no backward: the refresh stores nothing, as an eager one
+    (sinks[0] * torch.tensor([1.0, 0, 0, 0])).sum().backward()
+    (sinks[2] * torch.tensor([0, 0, 3.0, 4.0])).sum().backward()  # sinks[1]'s points' backward did not run
+    assert RefreshWrites.gathered(sinks).tolist() == [1.0, 0.0, 3.0, 4.0]
 
 
 def test_compiled_steps_give_the_eager_gradients_and_guards_in_pure_fp16():
