@@ -39,7 +39,9 @@ their Triton configs, one binary each (ResNet-50's default refresh at the GPU sh
 compiled GradScaler 120 and 356), of which Triton's autotuner times those of a kernel with several at its first
 launch. ``--compile-for-gpu`` then compiles each of those binaries for an H100/H200 (sm_90) here, with Triton and
 the ``ptxas`` its package ships, and prints the CPU seconds: the part of a GPU's first step spent in Inductor's
-compile workers, measured without a GPU (what runs on the GPU, the autotuner's timing, is not). And it prints the
+compile workers, measured without a GPU (what runs on the GPU, the autotuner's timing, is not), and what of it a
+16-core machine would wait for beyond Inductor's own work, from when Inductor generated each kernel here and when its
+graph first ran (:func:`binaries_added_seconds`: a kernel generated last adds its whole compile). And it prints the
 seconds AOT autograd and Inductor (forward and backward graphs) spent compiling each variant, from their own timers:
 the Python work of a GPU's first steps, which runs on one host core.
 
@@ -85,6 +87,10 @@ _RUN_KERNELS = [True]
 _CONFIGS: dict[str, int] = {}
 #: The kernels (module files) launched since the caller last cleared it.
 _LAUNCHED: set[str] = set()
+#: Per kernel (module file), when Inductor generated it (its module loaded) and when it was first launched
+#: (``time.perf_counter()``), since the caller last cleared them: for :func:`binaries_added_seconds`.
+_GENERATED: dict[str, float] = {}
+_FIRST_LAUNCH: dict[str, float] = {}
 
 
 def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, what: str) -> Any:
@@ -142,7 +148,9 @@ def _prepare_interpreter() -> list[int]:
 
     def recorded(size_hints: Any, configs: list, *args: Any, **kwargs: Any) -> Any:
         # Called as a kernel's module loads (once per kernel and process), with the configs a GPU would compile.
-        _CONFIGS[kwargs.get("filename", args[2] if len(args) > 2 else None)] = len(configs)
+        filename = kwargs.get("filename", args[2] if len(args) > 2 else None)
+        _CONFIGS[filename] = len(configs)
+        _GENERATED.setdefault(filename, time.perf_counter())
         return autotune(size_hints, configs, *args, **kwargs)
 
     triton_heuristics.cached_autotune = recorded  # (the heuristics call it by its module-level name)
@@ -150,6 +158,7 @@ def _prepare_interpreter() -> list[int]:
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         _LAUNCHES[0] += 1
         _LAUNCHED.add(self.filename)
+        _FIRST_LAUNCH.setdefault(self.filename, time.perf_counter())
         if _RUN_KERNELS[0]:
             return run(self, *args, **kwargs)
         for arg in args:  # outputs (and inputs: the values no longer matter) become zeros, never garbage
@@ -202,6 +211,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         run = gpu_shape_batch is None if run_kernels is None else run_kernels
         _RUN_KERNELS[0] = run and name not in COOPERATIVE_VARIANTS  # (see the module docstring)
         torch._dynamo.reset()
+        _forget_generated_kernels()  # each variant generates (and times) all its kernels, as a fresh process does
         compiler_before = _compiler_seconds()
         with config.patch({**_gpu_thresholds(config), "cpu_backend": "triton", "fx_graph_cache": False}), \
                 _library_products_zeroed(not _RUN_KERNELS[0]):
@@ -222,11 +232,26 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
                        "steady_mb": steady_mb, "distinct": len(_LAUNCHED),
                        "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED),
                        "kernel_files": sorted(_LAUNCHED),
+                       "kernel_times": {kernel: (_GENERATED.get(kernel, _FIRST_LAUNCH[kernel]), _FIRST_LAUNCH[kernel])
+                                        for kernel in _LAUNCHED},
                        "aot_autograd_s": compiler["aot"], "inductor_forward_s": compiler["forward"],
                        "inductor_backward_s": compiler["backward"]}
         models[name] = runner.model
     log.setLevel(level)
     return (found, models) if keep_models else found
+
+
+def _forget_generated_kernels() -> None:
+    """Empty this process's caches of loaded kernel modules (Inductor's and Triton's in memory, not the files) and
+    the records of when each was generated and launched, so that the next compile generates every kernel it needs
+    again and :data:`_GENERATED` times it."""
+    from torch._inductor.async_compile import CompiledTritonKernels
+    from torch._inductor.codecache import PyCodeCache
+
+    PyCodeCache.cache_clear()
+    CompiledTritonKernels._cache.clear()
+    _GENERATED.clear()
+    _FIRST_LAUNCH.clear()
 
 
 @contextlib.contextmanager
@@ -398,6 +423,45 @@ def binaries_wall_seconds(times: list[list[float]], cores: int) -> tuple[float, 
     return max(sum(map(sum, times)) / cores, sum(times[longest])), longest
 
 
+def binaries_added_seconds(kernels: list[tuple[float, float, list[float]]], cores: int) -> float:
+    """The seconds a machine of ``cores`` compile workers waits for Triton's binaries beyond the compilers' own
+    work, from each kernel's (time Inductor generated it, time its graph first ran here, per-config seconds).
+
+    Inductor hands each kernel to its compile workers as it generates it and waits for all of a graph's before the
+    graph runs: a kernel generated early compiles while Inductor generates the rest, one generated last (a refresh's
+    sink, near the end of the backward) adds its whole compile. The model: the graphs in the order they first ran,
+    each kernel started in the order generated on the first free worker, its configs one after another; a graph
+    runs when Inductor finished it and its kernels are compiled, and its wait delays everything after it. It
+    assumes the GPU machine's host core is as fast as this one for Inductor's work, and leaves out the autotuner's
+    timing of the configs on the GPU."""
+    import heapq
+
+    workers = [0.0] * cores
+    delay = 0.0
+    graphs: dict[float, list[tuple[float, float]]] = {}
+    for generated, ran, configs in kernels:
+        graphs.setdefault(ran, []).append((generated, sum(configs)))
+    for ran in sorted(graphs):
+        done = 0.0
+        for generated, spent in sorted(graphs[ran]):
+            start = max(generated + delay, heapq.heappop(workers))
+            heapq.heappush(workers, start + spent)
+            done = max(done, start + spent)
+        delay = max(ran + delay, done) - ran
+    return delay
+
+
+def _graph_run_times(times: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """(generated, when its graph first ran) per kernel, from (generated, its own first launch): a kernel's graph
+    ran at the first launch of any kernel after it was generated (a graph's kernels are all generated before it
+    runs, and the graphs compile and run one after another)."""
+    launches = sorted(first for _, first in times.values())
+    result = {}
+    for kernel, (generated, first) in times.items():
+        result[kernel] = (generated, next((t for t in launches if t >= generated), first))
+    return result
+
+
 def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list[float]], capability: int,
                        workers: int) -> None:
     """Print :func:`gpu_compile_seconds`' sums per variant: every config (what Inductor compiles by default) and
@@ -419,6 +483,10 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
         print(f"  {'':<24} at least {floor:5.1f} s on {cores} cores: the longest kernel takes {sum(configs):.1f} s, "
               f"its {len(configs)} config(s) one after another in one worker ({_kernel_name(kernel)}, "
               f"{_kernel_lines(kernel)} lines)")
+        ran = _graph_run_times(row["kernel_times"])
+        added = binaries_added_seconds([(*ran[k], seconds[k]) for k in row["kernel_files"]], cores)
+        print(f"  {'':<24} {added:5.1f} s added to the first steps on {cores} cores: the wait for binaries "
+              "still compiling when Inductor finished a graph (binaries_added_seconds)")
 
 
 def _kernel_name(path: str) -> str:
@@ -497,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also compile every Triton config of the kernels each variant launched for an NVIDIA "
                              f"GPU of compute capability CC (default {GPU_CAPABILITY}: H100, H200) on this CPU, and "
                              "print the CPU seconds: what a GPU machine's compile workers spend at the first steps "
-                             "(Triton and ptxas; no GPU needed; about 30 s per 200 binaries on one core)")
+                             "(Triton and ptxas; no GPU needed; about 30 s per 200 binaries on one core), and the "
+                             "seconds of it a 16-core machine would wait for after Inductor finished each graph")
     parser.add_argument("--inductor-option", action="append", type=inductor_option, metavar="KEY=VALUE",
                         help="an Inductor option for the compiled adaptive steps (as python -m benchmarks'); "
                              "repeat for more")

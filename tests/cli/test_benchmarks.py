@@ -472,6 +472,9 @@ print(json.dumps({"found": found, "seconds": seconds, "interpret": os.environ.ge
     assert sum(len(times) for times in seconds.values()) == found["configs"]
     assert all(t > 0 for times in seconds.values() for t in times)
     assert result["interpret"] == "1" and result["cache_kept"]
+    # Each kernel launched was generated (timed) in this variant, before it first ran.
+    times = found["kernel_times"]
+    assert sorted(times) == found["kernel_files"] and all(made <= ran for made, ran in times.values())
 
 
 def test_the_gpu_compile_floor_is_the_longest_kernels_configs_in_a_row_or_the_cpu_time_over_every_core():
@@ -482,6 +485,29 @@ def test_the_gpu_compile_floor_is_the_longest_kernels_configs_in_a_row_or_the_cp
     assert floor == pytest.approx(11.7) and longest == 1
     assert binaries_wall_seconds([[1.0]] * 63 + [[2.0]], cores=16) == (65 / 16, 63)
     assert binaries_wall_seconds([], cores=16) == (0.0, None)
+
+
+def test_binaries_add_to_the_first_steps_only_what_still_compiles_when_inductor_has_finished_a_graph():
+    # (generated at, graph ran at, per-config seconds): Inductor hands each kernel to a worker as it generates it
+    # and runs the graph once all of its kernels are compiled.
+    from benchmarks.triton_kernels import binaries_added_seconds
+    # Generated early, compiled before the graph is done: nothing added.
+    assert binaries_added_seconds([(0.0, 10.0, [2.0, 2.0]), (1.0, 10.0, [5.0])], cores=16) == 0.0
+    # Generated last (a sink at the end of the backward): its configs in a row, all of it.
+    assert binaries_added_seconds([(0.0, 10.0, [1.0]), (9.5, 10.0, [3.0, 3.0])], cores=16) == pytest.approx(5.5)
+    # One core: the kernels queue behind each other.
+    assert binaries_added_seconds([(0.0, 4.0, [3.0]), (1.0, 4.0, [3.0])], cores=1) == pytest.approx(2.0)
+    # A graph's wait delays the graphs after it: the backward's kernels start later, and its own wait adds.
+    forward, backward = [(0.0, 1.0, [3.0])], [(2.0, 5.0, [1.0]), (4.9, 5.0, [1.0])]
+    assert binaries_added_seconds(forward + backward, cores=16) == pytest.approx(2.0 + 0.9)
+
+
+def test_a_kernels_graph_ran_at_the_first_launch_after_it_was_generated():
+    from benchmarks.triton_kernels import _graph_run_times
+    # forward kernels a, b generated at 1-2 s, run from 3 s; backward kernels c, d generated at 5-6 s, run at 7 s;
+    # b launched again by the backward does not move its own graph's time.
+    times = {"a": (1.0, 3.0), "b": (2.0, 3.5), "c": (5.0, 7.2), "d": (6.0, 7.0)}
+    assert _graph_run_times(times) == {"a": (1.0, 3.0), "b": (2.0, 3.0), "c": (5.0, 7.0), "d": (6.0, 7.0)}
 
 
 @pytest.mark.parametrize("argv, message", [
