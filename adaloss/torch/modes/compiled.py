@@ -161,7 +161,15 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
     from torch._functorch import config as functorch_config
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
+    from torch._inductor.async_compile import maybe_warm_pool
     from torch._inductor.compile_fx import compile_fx
+
+    # Start Inductor's compile workers now, as torch.compile's Inductor backend does before anything else: a kernel
+    # is handed to them as Inductor generates it only once they are up; until then a graph's kernels wait for the
+    # end of its code generation (all of the first forward's), and on a GPU their Triton binaries compile after
+    # Inductor's own work instead of during it, or one after another in this process if the workers are still
+    # starting. A no-op without the triton package, or once the workers are up.
+    maybe_warm_pool()
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
