@@ -163,21 +163,21 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
     from torch._inductor import config
     from torch._inductor.async_compile import maybe_warm_pool
     from torch._inductor.compile_fx import compile_fx
-
-    # Start Inductor's compile workers now, as torch.compile's Inductor backend does before anything else: a kernel
-    # is handed to them as Inductor generates it only once they are up; until then a graph's kernels wait for the
-    # end of its code generation (all of the first forward's), and on a GPU their Triton binaries compile after
-    # Inductor's own work instead of during it, or one after another in this process if the workers are still
-    # starting. A no-op without the triton package, or once the workers are up.
-    maybe_warm_pool()
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
-    calls = cacheable_graph(static)
     patches = {**INDUCTOR_OPTIONS, **(options or {})}
+    if _generates_triton(example_inputs, patches.get("cpu_backend", config.cpu_backend)):
+        # Start Inductor's compile workers now, as torch.compile's Inductor backend does before anything else: a
+        # kernel is handed to them as Inductor generates it only once they are up; until then a graph's kernels wait
+        # for the end of its code generation (all of the first forward's), and on a GPU their Triton binaries
+        # compile after Inductor's own work instead of during it, or one after another in this process if the
+        # workers are still starting. A no-op without the triton package, or once the workers are up.
+        maybe_warm_pool()
+    calls = cacheable_graph(static)
     if (patches.get("triton.cooperative_reductions", config.triton.cooperative_reductions)
             or patches.get("triton.force_cooperative_reductions", config.triton.force_cooperative_reductions)):
         _name_workspaces()  # (also when asked for through Inductor's own config or environment)
@@ -199,6 +199,13 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
         from .regional import outlining_compiler
         return compile_fx(static, fakes, config_patches=patches,
                           inner_compile=outlining_compiler(compile_fx_inner, outlined))
+
+
+def _generates_triton(example_inputs: list, cpu_backend: str) -> bool:
+    """Whether Inductor compiles this graph to Triton kernels (those its compile workers build): on a GPU, or on a
+    CPU whose backend is Triton rather than C++."""
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    return bool(devices - {"cpu"}) or cpu_backend == "triton"
 
 
 def _name_workspaces() -> None:

@@ -410,19 +410,16 @@ def test_a_compiler_failure_warns_once_and_leaves_the_eager_steps_running(monkey
 def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, compile):
     # What compile_fx is asked for, recorded by a stand-in that then fails (the steps run eagerly, no compile):
     # the user's options over the combo kernels, by an explicit compile=True and by the default's choice (forced,
-    # as on CUDA). Inductor's compile workers are started first, as torch.compile does, so that they take each
-    # kernel as Inductor generates it.
+    # as on CUDA).
     from adaloss.torch.modes import compiled, default
 
-    asked, events = [], []
+    asked = []
 
     def record(static, inputs, config_patches=None):
         asked.append(config_patches)
-        events.append("compile")
         raise RuntimeError("recorded")
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", record)
-    monkeypatch.setattr("torch._inductor.async_compile.maybe_warm_pool", lambda: events.append("workers"))
     monkeypatch.setattr(default, "compiles_by_default", lambda device, warn=True: True)
     model = _Net()
     mine = {"mine.cacheable_op": "1"}  # the user's own, kept beside adaloss's
@@ -438,7 +435,26 @@ def test_compile_options_reach_inductor_on_top_of_the_steps_own(monkeypatch, com
     marked = [patches.pop("unsafe_marked_cacheable_functions") for patches in asked]
     assert asked == [{**compiled.INDUCTOR_OPTIONS, "triton.cudagraphs": True, "combo_kernels": False}] * 2
     assert marked == [{**mine, STATIC_CALL: source_digest()}] * 2  # adaloss's nodes, for AOT autograd's cache
-    assert events == ["workers", "compile"] * 2
+
+
+@pytest.mark.parametrize("backend, started", [("cpp", False), ("triton", True)])
+def test_compile_workers_are_started_before_compiling_a_graph_of_triton_kernels(monkeypatch, backend, started):
+    # As torch.compile's Inductor backend does: the workers take each kernel as Inductor generates it once they are
+    # up (else the first forward's binaries all compile after its code generation). Triton kernels only: on a GPU,
+    # or on a CPU whose Inductor backend is Triton; the C++ backend's CPU graphs need none.
+    events = []
+
+    def record(static, inputs, config_patches=None):
+        events.append("compile")
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", record)
+    monkeypatch.setattr("torch._inductor.async_compile.maybe_warm_pool", lambda: events.append("workers"))
+    model = _Net()
+    scaler = LossScaler(model, "adaptive", compile=True, compile_options={"cpu_backend": backend})
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        _gradients(model, scaler, torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,)), None)
+    assert events == (["workers", "compile"] if started else ["compile"])
 
 
 @pytest.mark.parametrize("through", ["compile_options", "inductor_config"])
