@@ -423,9 +423,11 @@ def binaries_wall_seconds(times: list[list[float]], cores: int) -> tuple[float, 
     return max(sum(map(sum, times)) / cores, sum(times[longest])), longest
 
 
-def binaries_added_seconds(kernels: list[tuple[float, float, list[float]]], cores: int) -> float:
-    """The seconds a machine of ``cores`` compile workers waits for Triton's binaries beyond the compilers' own
-    work, from each kernel's (time Inductor generated it, time its graph first ran here, per-config seconds).
+def binaries_added_seconds(kernels: list[tuple[float, float, list[float]]],
+                           cores: int) -> tuple[float, int | None]:
+    """(the seconds a machine of ``cores`` compile workers waits for Triton's binaries beyond the compilers' own
+    work, the index of the kernel that ends the longest of those waits; None where nothing waits), from each
+    kernel's (time Inductor generated it, time its graph first ran here, per-config seconds).
 
     Inductor hands each kernel to its compile workers as it generates it and waits for all of a graph's before the
     graph runs: a kernel generated early compiles while Inductor generates the rest, one generated last (a refresh's
@@ -437,18 +439,22 @@ def binaries_added_seconds(kernels: list[tuple[float, float, list[float]]], core
     import heapq
 
     workers = [0.0] * cores
-    delay = 0.0
-    graphs: dict[float, list[tuple[float, float]]] = {}
-    for generated, ran, configs in kernels:
-        graphs.setdefault(ran, []).append((generated, sum(configs)))
+    delay, longest, last = 0.0, 0.0, None
+    graphs: dict[float, list[tuple[float, float, int]]] = {}
+    for index, (generated, ran, configs) in enumerate(kernels):
+        graphs.setdefault(ran, []).append((generated, sum(configs), index))
     for ran in sorted(graphs):
-        done = 0.0
-        for generated, spent in sorted(graphs[ran]):
+        done, ending = 0.0, None
+        for generated, spent, index in sorted(graphs[ran]):
             start = max(generated + delay, heapq.heappop(workers))
             heapq.heappush(workers, start + spent)
-            done = max(done, start + spent)
-        delay = max(ran + delay, done) - ran
-    return delay
+            if start + spent > done:
+                done, ending = start + spent, index
+        wait = done - (ran + delay)
+        if wait > longest:
+            longest, last = wait, ending
+        delay += max(wait, 0.0)
+    return delay, last
 
 
 def _graph_run_times(times: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
@@ -484,9 +490,15 @@ def report_gpu_compile(found: dict[str, dict[str, Any]], seconds: dict[str, list
               f"its {len(configs)} config(s) one after another in one worker ({_kernel_name(kernel)}, "
               f"{_kernel_lines(kernel)} lines)")
         ran = _graph_run_times(row["kernel_times"])
-        added = binaries_added_seconds([(*ran[k], seconds[k]) for k in row["kernel_files"]], cores)
+        added, last = binaries_added_seconds([(*ran[k], seconds[k]) for k in row["kernel_files"]], cores)
+        ending = ""
+        if last is not None:
+            kernel = row["kernel_files"][last]
+            ending = (f"; the longest wait ends with {_kernel_name(kernel)} ({_kernel_lines(kernel)} lines, "
+                      f"{sum(seconds[kernel]):.1f} s, generated {ran[kernel][1] - ran[kernel][0]:.1f} s before its "
+                      "graph was ready here)")
         print(f"  {'':<24} {added:5.1f} s added to the first steps on {cores} cores: the wait for binaries "
-              "still compiling when Inductor finished a graph (binaries_added_seconds)")
+              f"still compiling when Inductor finished a graph (binaries_added_seconds){ending}")
 
 
 def _kernel_name(path: str) -> str:

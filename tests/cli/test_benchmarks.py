@@ -493,15 +493,19 @@ def test_binaries_add_to_the_first_steps_only_what_still_compiles_when_inductor_
     # (generated at, graph ran at, per-config seconds): Inductor hands each kernel to a worker as it generates it
     # and runs the graph once all of its kernels are compiled.
     from benchmarks.triton_kernels import binaries_added_seconds
-    # Generated early, compiled before the graph is done: nothing added.
-    assert binaries_added_seconds([(0.0, 10.0, [2.0, 2.0]), (1.0, 10.0, [5.0])], cores=16) == 0.0
+    # Generated early, compiled before the graph is done: nothing added, no kernel to blame.
+    assert binaries_added_seconds([(0.0, 10.0, [2.0, 2.0]), (1.0, 10.0, [5.0])], cores=16) == (0.0, None)
     # Generated last (a sink at the end of the backward): its configs in a row, all of it.
-    assert binaries_added_seconds([(0.0, 10.0, [1.0]), (9.5, 10.0, [3.0, 3.0])], cores=16) == pytest.approx(5.5)
+    added, last = binaries_added_seconds([(0.0, 10.0, [1.0]), (9.5, 10.0, [3.0, 3.0])], cores=16)
+    assert added == pytest.approx(5.5) and last == 1
     # One core: the kernels queue behind each other.
-    assert binaries_added_seconds([(0.0, 4.0, [3.0]), (1.0, 4.0, [3.0])], cores=1) == pytest.approx(2.0)
-    # A graph's wait delays the graphs after it: the backward's kernels start later, and its own wait adds.
+    added, last = binaries_added_seconds([(0.0, 4.0, [3.0]), (1.0, 4.0, [3.0])], cores=1)
+    assert added == pytest.approx(2.0) and last == 1
+    # A graph's wait delays the graphs after it: the backward's kernels start later, and its own wait adds. The
+    # forward's 2 s is the longest wait.
     forward, backward = [(0.0, 1.0, [3.0])], [(2.0, 5.0, [1.0]), (4.9, 5.0, [1.0])]
-    assert binaries_added_seconds(forward + backward, cores=16) == pytest.approx(2.0 + 0.9)
+    added, last = binaries_added_seconds(forward + backward, cores=16)
+    assert added == pytest.approx(2.0 + 0.9) and last == 0
 
 
 def test_a_kernels_graph_ran_at_the_first_launch_after_it_was_generated():
