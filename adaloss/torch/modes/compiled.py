@@ -160,8 +160,7 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
     instead of tracing them again."""
     from torch._functorch import config as functorch_config
     from torch._guards import TracingContext, tracing
-    from torch._inductor import config
-    from torch._inductor.async_compile import maybe_warm_pool
+    from torch._inductor import async_compile, config
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -170,13 +169,14 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
     fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
              for x in example_inputs]
     patches = {**INDUCTOR_OPTIONS, **(options or {})}
-    if _generates_triton(example_inputs, patches.get("cpu_backend", config.cpu_backend)):
+    warm_pool = getattr(async_compile, "maybe_warm_pool", None)  # (torch's internal: a torch without it starts late)
+    if warm_pool is not None and _generates_triton(example_inputs, patches.get("cpu_backend", config.cpu_backend)):
         # Start Inductor's compile workers now, as torch.compile's Inductor backend does before anything else: a
         # kernel is handed to them as Inductor generates it only once they are up; until then a graph's kernels wait
         # for the end of its code generation (all of the first forward's), and on a GPU their Triton binaries
         # compile after Inductor's own work instead of during it, or one after another in this process if the
         # workers are still starting. A no-op without the triton package, or once the workers are up.
-        maybe_warm_pool()
+        warm_pool()
     calls = cacheable_graph(static)
     if (patches.get("triton.cooperative_reductions", config.triton.cooperative_reductions)
             or patches.get("triton.force_cooperative_reductions", config.triton.force_cooperative_reductions)):
