@@ -8,7 +8,7 @@ the C++ kernels run (``--launches``' ``generated``) 1.04x: Inductor's C++ backen
 function, its Triton backend does not. With combo kernels the H200 took 1.47x and 0.96x, where the ``--quick`` count
 (one block of width 32) gives 1.20x and 0.69x: a shallow, narrow model under-counts a deep one's refresh.
 ``--gpu-shape`` counts at the GPU benchmark's shape instead, 1.67x and 0.59x (292 and 104 kernels against 175); since
-the compiled steps derive the extremes a refresh already knows (``adaloss.torch.modes.derived_extremes``), 1.42x (248).
+the compiled steps derive the extremes a refresh already knows (``adaloss.torch.modes.refresh_extremes``), 1.42x (248).
 
 How it counts without a GPU: Inductor compiles for CPU tensors with its Triton backend (``cpu_backend="triton"``:
 the GPU's scheduling, fusion and combo-kernel rules) and Triton's interpreter runs each kernel with NumPy
@@ -63,6 +63,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 #: The compiled variants counted by default, and the reference of the ratios.
@@ -91,6 +92,12 @@ _LAUNCHED: set[str] = set()
 #: (``time.perf_counter()``), since the caller last cleared them: for :func:`binaries_added_seconds`.
 _GENERATED: dict[str, float] = {}
 _FIRST_LAUNCH: dict[str, float] = {}
+#: The launches since the caller last cleared it, by kind of kernel (:data:`KERNEL_KINDS`).
+_KINDS: Counter = Counter()
+#: The kinds of Triton kernel Inductor generates, by the prefix of their names (its ``triton_{poi,red,per}_...``):
+#: element-wise, a reduction looping over its elements, a reduction holding a row whole (persistent). A combo kernel
+#: is named after the kind of its first part. A refresh's statistics are reductions; a scaled copy is element-wise.
+KERNEL_KINDS = {"triton_poi": "pointwise", "triton_red": "looped reduction", "triton_per": "persistent reduction"}
 
 
 def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, what: str) -> Any:
@@ -157,6 +164,7 @@ def _prepare_interpreter() -> list[int]:
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         _LAUNCHES[0] += 1
+        _KINDS[kernel_kind(getattr(self.fn, "__name__", ""))] += 1
         _LAUNCHED.add(self.filename)
         _FIRST_LAUNCH.setdefault(self.filename, time.perf_counter())
         if _RUN_KERNELS[0]:
@@ -170,12 +178,17 @@ def _prepare_interpreter() -> list[int]:
     return _LAUNCHES
 
 
+def kernel_kind(name: str) -> str:
+    """The kind (:data:`KERNEL_KINDS`) of the Triton kernel Inductor named ``name``; "other" for any other."""
+    return next((kind for prefix, kind in KERNEL_KINDS.items() if name.startswith(prefix)), "other")
+
+
 def count_kernels(model: str, variants: list[str], quick: bool = True, keep_models: bool = False,
                   gpu_shape_batch: int | None = None, run_kernels: bool | None = None,
                   layers: int | None = None) -> Any:
     """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
-    steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), and
-    the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
+    steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), split
+    by kind of kernel (``refresh_kinds``, ``steady_kinds``: :data:`KERNEL_KINDS` to launches), and the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
     ``steady_mb``: its ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken
     as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
     compiles for the kernels the steps launched (``distinct`` kernels, and their ``configs``: Triton compiles one
@@ -216,19 +229,22 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         with config.patch({**_gpu_thresholds(config), "cpu_backend": "triton", "fx_graph_cache": False}), \
                 _library_products_zeroed(not _RUN_KERNELS[0]):
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
-            counts, megabytes = [], []
+            counts, megabytes, kinds = [], [], []
             _LAUNCHED.clear()
             for k in range(STEPS):
                 launches[0] = 0
+                _KINDS.clear()
                 metrics.reset()
                 runner.step(*batches[k % len(batches)])
                 counts.append(launches[0])
+                kinds.append(dict(_KINDS))
                 megabytes.append(metrics.num_bytes_accessed / 1e6)
         compiler = {part: spent - compiler_before[part] for part, spent in _compiler_seconds().items()}
         # A graph's bytes are counted when it compiles: the steady step's are those of the last step that compiled
         # (adaptive-N's second; for the others the first, whose graphs every step runs).
         steady_mb = next(mb for mb in reversed(megabytes) if mb) if any(megabytes) else 0.0
-        found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_mb": megabytes[0],
+        found[name] = {"refresh": counts[0], "steady": counts[-1], "refresh_kinds": kinds[0],
+                       "steady_kinds": kinds[-1], "refresh_mb": megabytes[0],
                        "steady_mb": steady_mb, "distinct": len(_LAUNCHED),
                        "configs": sum(_CONFIGS.get(kernel, 1) for kernel in _LAUNCHED),
                        "kernel_files": sorted(_LAUNCHED),
@@ -532,6 +548,14 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
         print(f"  {name:<24}{cells}")
     print("  refresh: the first step (adaptive: a refresh); steady: the last of "
           f"{STEPS} (adaptive-N: a step between refreshes)")
+    print("  the same launches by kind of kernel (a refresh's statistics are reductions, its scaled copies "
+          "element-wise; a combo kernel counts as the kind of its first part)")
+    for name, row in found.items():
+        cells = [f"{step} " + ", ".join(f"{row[step + '_kinds'].get(kind, 0)} {kind}"
+                                        for kind in (*KERNEL_KINDS.values(), "other")
+                                        if kind != "other" or row[step + "_kinds"].get(kind))
+                 for step in ("refresh", "steady")]
+        print(f"  {name:<24} " + "; ".join(cells))
     print("  what a GPU compiles at the first steps: the distinct kernels launched, and their Triton configs (one "
           "binary each, timed at the kernel's first launch where there are several)")
     for name, row in found.items():

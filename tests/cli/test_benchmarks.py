@@ -397,6 +397,13 @@ print(json.dumps(found))
     found = json.loads(done.stdout.strip().splitlines()[-1])
     combo, plain = found["combo"], found["plain"]
     assert combo["refresh"] > combo["steady"] > 0
+    # By kind: every launch counted once; what a refresh adds to a step between refreshes is its statistics,
+    # reductions.
+    for step in ("refresh", "steady"):
+        assert sum(combo[step + "_kinds"].values()) == combo[step]
+    reductions = {step: sum(n for kind, n in combo[step + "_kinds"].items() if kind.endswith("reduction"))
+                  for step in ("refresh", "steady")}
+    assert reductions["refresh"] > reductions["steady"]
     assert combo["refresh"] < plain["refresh"] and combo["steady"] < plain["steady"]
     assert found["combo_parameters"] == found["plain_parameters"]
     from benchmarks.triton_kernels import COMPILER_SECONDS as timings
@@ -413,6 +420,14 @@ print(json.dumps(found))
     untuned = found["untuned"]
     assert untuned["configs"] == untuned["distinct"] == combo["distinct"]
     assert (untuned["refresh"], untuned["steady"]) == (combo["refresh"], combo["steady"])
+
+
+def test_the_triton_proxy_names_each_kernels_kind_from_inductors_name_for_it():
+    from benchmarks.triton_kernels import kernel_kind
+    assert kernel_kind("triton_poi_fused__to_copy_1") == "pointwise"
+    assert kernel_kind("triton_red_fused_aminmax_7") == "looped reduction"
+    assert kernel_kind("triton_per_fused_native_layer_norm_0") == "persistent reduction"
+    assert kernel_kind("triton_tem_fused_mm_0") == kernel_kind("") == "other"
 
 
 def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_counts():
