@@ -188,9 +188,10 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
                   layers: int | None = None) -> Any:
     """Per variant, the Triton kernels launched by its first (``refresh``) and last (``steady``) of :data:`STEPS`
     steps, compiled with Triton and run by its interpreter (call in a process with ``TRITON_INTERPRET=1``), split
-    by kind of kernel (``refresh_kinds``, ``steady_kinds``: :data:`KERNEL_KINDS` to launches), and the megabytes Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``,
-    ``steady_mb``: its ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken
-    as it compiles them, as :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
+    by kind of kernel (``refresh_kinds``, ``steady_kinds``: :data:`KERNEL_KINDS` to launches), and the megabytes
+    Inductor counts its kernels reading and writing in a step of each kind (``refresh_mb``, ``steady_mb``: its
+    ``count_bytes`` of every kernel of the graphs that step runs, extern ones included, taken as it compiles them, as
+    :func:`benchmarks.launches.compiled_bytes` does on the C++ backend); and what a GPU
     compiles for the kernels the steps launched (``distinct`` kernels, and their ``configs``: Triton compiles one
     binary per config at the first step, and times them at the first launch where there are several; their
     generated modules are ``kernel_files``, for :func:`gpu_compile_seconds`); and the seconds the compilers spent

@@ -28,7 +28,7 @@ from adaloss.torch.scale_state import GraphPlan, ScaleState
 from .base import ExecutionMode
 from .cache_keys import STATIC_CALL, cacheable_graph, source_digest, tracing_calls
 from .compiled_refresh import new_trace, refresh_call
-from .derived_extremes import DerivedExtremes
+from .refresh_extremes import RefreshExtremes
 from .static_points import Layout, reuse_call, static_graph
 
 __all__ = ["CompiledMode", "CompiledSteps", "check_inductor_options"]
@@ -109,16 +109,18 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: Combo kernels cut those kernels by 36-38% (GPT, ResNet-20; counted on CPU with Triton's interpreter: ``python -m
 #: benchmarks.triton_kernels``), with the same values bit for bit. ``post_grad_custom_pre_pass``: the extremes a
 #: refresh reduces of a gradient that only a cast, a product with one number or a concatenation separates from one
-#: reduced before are computed from those instead (``derived_extremes.py``): a refresh of the nanoGPT at the GPU's
-#: shape launches 248 Triton kernels instead of 292. ``force_pointwise_cat``: a concatenation of computed parts (a
-#: join's scaled q, k and v gradients) is one element-wise kernel, which the products' scaled copies of the result
-#: fuse into, where Inductor's default writes each part apart: the nanoGPT's steps launch 6 kernels fewer, one per
-#: block, both kinds (242 per refresh, 98 between refreshes); ResNet-50's are unchanged.
+#: reduced before are computed from those instead, and a peak of a layer norm's input gradient is reduced in the
+#: norm's own rows (``refresh_extremes.py``): a refresh of the nanoGPT at the GPU's shape launches 248 Triton
+#: kernels instead of 292 with the first (batch 8), 238 instead of 250 with the second (batch 64).
+#: ``force_pointwise_cat``: a concatenation of computed parts (a join's scaled q, k and v gradients) is one
+#: element-wise kernel, which the products' scaled copies of the result fuse into, where Inductor's default writes
+#: each part apart: the nanoGPT's steps launch 6 kernels fewer, one per block, both kinds (242 per refresh, 98
+#: between refreshes); ResNet-50's are unchanged.
 #: ``combo_kernel_max_num_nodes``: up to 32 independent kernels per combo kernel instead of 8 (the refresh has many
 #: small ones): at the GPU's shape ResNet-50's adaptive-100 launches 508 per refresh (538 with 8) and 277 between
 #: refreshes (292), the nanoGPT's 223 and 93 (242 and 98), for 6-13% more of Inductor's compile time on ResNet-50.
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": 32,
-                                    "force_pointwise_cat": True, "post_grad_custom_pre_pass": DerivedExtremes()}
+                                    "force_pointwise_cat": True, "post_grad_custom_pre_pass": RefreshExtremes()}
 
 
 def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
