@@ -11,6 +11,10 @@ backward accumulates the parameter's gradient in float16 too, before the paramet
 - a normalisation layer's weight and bias get the sum over every position that shares a feature (its weight's
   sum also multiplies by the normalised input).
 
+Under autocast the parameters stay float32 and these sums run in float32, with one exception: on a CPU, autocast
+leaves a layer norm to run in float16 on a float16 input, and torch's CPU kernel sums its float32 weight's and
+bias's gradients in float16 (:func:`sums_parameters_in_float16`), so those get the guard too.
+
 The scale points bound their own sums exactly (``range_bounds.py``); these sums the graph transform bounds with an
 *accumulation guard* (an output point that does not widen) on the operation's output gradient: it brings the
 largest |g| to h * u_max / (2 * fold), so that a sum of ``fold`` such terms stays below u_max. :func:`fold_of`
@@ -47,7 +51,7 @@ from torch import fx
 
 from adaloss.core.adaptive_stats import abs_max_value
 
-__all__ = ["ATTENTION", "AccumulationFold", "AttentionFold", "fold_of"]
+__all__ = ["ATTENTION", "AccumulationFold", "AttentionFold", "fold_of", "sums_parameters_in_float16"]
 
 _EMBEDDINGS = {F.embedding, torch.embedding}
 _SAMPLE_NORMS = {F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm}
@@ -58,6 +62,19 @@ _ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, oper
                 torch.lerp, torch.maximum, torch.minimum}
 _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_", "lerp", "addcmul", "addcdiv"}
 ATTENTION = {F.scaled_dot_product_attention}
+#: Operations whose backward sums their float32 parameters' gradients in float16 when their input is float16: a
+#: CPU's layer norm. CPU autocast leaves the norms to run in the input's dtype, and torch's CPU layer norm then
+#: sums the weight's and bias's gradients in float16 (torch 2.13: a bias gradient of 2.9e6 came back inf, where
+#: batch, group, instance and RMS norm summed the same in float32). CUDA autocast runs layer norm in float32.
+_FLOAT16_SUMS_ON_CPU = {F.layer_norm, torch.layer_norm}
+
+
+def sums_parameters_in_float16(user: fx.Node, example: Any) -> bool:
+    """Whether operation ``user`` (its example value read by ``example``) sums its parameters' gradients in float16
+    although they are float32, as a CPU's layer norm does with a float16 input (:data:`_FLOAT16_SUMS_ON_CPU`)."""
+    out = example(user)
+    return (user.op == "call_function" and user.target in _FLOAT16_SUMS_ON_CPU and isinstance(out, torch.Tensor)
+            and out.dtype == torch.float16 and out.device.type == "cpu")
 
 
 @dataclass(frozen=True)

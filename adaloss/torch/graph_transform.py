@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from adaloss.errors import TransformError
 
-from .accumulation import ATTENTION, fold_of
+from .accumulation import ATTENTION, fold_of, sums_parameters_in_float16
 from .graph_ops import (NORMS, buffer_nodes, carries_grad, example, functionalize, match_scale_point, module_path,
                         namer, parameter_derived, parameter_nodes, refuse_opaque_subgraphs)
 from .points import ScalePoint
@@ -236,11 +236,12 @@ def _insert_accumulation_guards(gm: fx.GraphModule, adaloss: AdalossGraph, begin
     """An accumulation guard (``accumulation.py``) between an operation and all of its consumers where its backward
     sums low-precision gradients over positions: every attention that computes in low precision (under autocast
     too; its guard also reads q, k and v), and in the ``pure`` mode every parameter use's operation whose backward
-    sums the parameter's gradient (under autocast those run in float32)."""
+    sums the parameter's gradient (under autocast those run in float32, but for a CPU's layer norm on a float16
+    input: :func:`~.accumulation.sums_parameters_in_float16`)."""
     graph = gm.graph
     made: dict[fx.Node, OutputPoint] = {}
     for user in list(graph.nodes):
-        if user in uses and pure:
+        if user in uses and (pure or sums_parameters_in_float16(user, example)):
             operands = [a for a in user.all_input_nodes if a.op == "call_function" and a.target is operator.getitem
                         and str(a.args[0].target).startswith("adaloss.params.")]
             read: tuple = ()

@@ -80,7 +80,8 @@ def test_accumulation_guards_only_lower_the_scale_and_are_powers_of_two():
 
 def test_autocast_captures_guard_only_the_attention():
     """Under autocast embeddings, norms and their parameters' sums run in float32, so their guards would only cost
-    time on the default path; attention computes in fp16 there too, and keeps its guard."""
+    time on the default path; attention computes in fp16 there too, and keeps its guard. (The GPT's layer norms
+    take the float32 residual stream: a CPU's layer norm on a float16 input is guarded, the test below.)"""
     model = _gpt()
     scaler = LossScaler(model, "adaptive")
     idx = torch.randint(0, 64, (4, 32))
@@ -89,6 +90,41 @@ def test_autocast_captures_guard_only_the_attention():
     scaler.scale(F.cross_entropy(logits.float().reshape(-1, 64), idx.reshape(-1))).backward()
     guards = sorted(name for name in scaler.state.caches if name.endswith((":sum", ":attention")))
     assert guards == ["blocks.0.attn:attention", "blocks.1.attn:attention"]
+
+
+class _TokenMeanNorm(torch.nn.Module):
+    """A linear embedding of 36 tokens, a layer norm on its float16 output, and the mean over the tokens: every
+    row of the norm's output gradient is alike, and its bias's gradient sums 288 of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.ln = torch.nn.LayerNorm(8)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.ln(self.embed(x))).mean(1)
+
+
+def test_a_cpu_layer_norm_on_a_float16_input_under_autocast_is_guarded_and_skips_no_step():
+    """CPU autocast runs a layer norm on its float16 input, and torch's CPU kernel sums the float32 weight's and
+    bias's gradients in float16: unguarded, the bias's overflowed at 3 of the first 40 steps, each skipped. Its
+    guard bounds the sum as in the pure mode."""
+    torch.manual_seed(0)
+    model = _TokenMeanNorm()
+    scaler = LossScaler(model, "adaptive", compile=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(40):
+        x, y = torch.randn(8, 36, 4), torch.randint(0, 10, (8,))
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()), step
+        scaler.step(optimizer)
+        scaler.update()
+        assert not scaler.step_was_skipped, step
+    assert "ln.weight+ln.bias:sum" in scaler.state.caches
 
 
 def test_each_fold_counts_the_terms_its_sum_adds():
