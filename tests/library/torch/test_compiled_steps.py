@@ -139,7 +139,7 @@ def _stored(state):
     return arrays, {k: v.clone() for k, v in state.caches.items()}, [e.table.clone() for e in state._active]
 
 
-def _check_coefficients(state, graph, expected: int):
+def _check_coefficients(state, graph, expected: int, pure: bool = False):
     """The vector a compiled step between refreshes applies, entry by entry, against the state it came from: a
     scale point's factors and scales, a branch's multipliers (its common scale over each consumer's), the output
     point's factor and the input point's scale ratio."""
@@ -161,10 +161,12 @@ def _check_coefficients(state, graph, expected: int):
     kinds = {kind for pair in graph.layout.pairs for kind, _ in pair}
     assert kinds == {"factor", "weight_factor", "weight_scale", "table", "cache", "one"}
     # the net's own count (``coefficients``); on CUDA, whose autocast runs layer norm in float32 (CPU's does not),
-    # also the widening output point before it
+    # also the widening output point before it; on a CPU under autocast (not pure, whose count holds it), the layer
+    # norm's accumulation guard: its float16 input makes torch's CPU kernel sum the weight's gradient in float16
     widening = sum(name.endswith(":float32") for name in state.caches)
-    assert widening <= 1
-    assert len(values) == expected + widening
+    cpu_norm_guard = 0 if pure else sum(name == "ln.weight+ln.bias:sum" for name in state.caches)
+    assert widening + cpu_norm_guard <= 1
+    assert len(values) == expected + widening + cpu_norm_guard
 
 
 def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6, pure: bool = False,
@@ -217,7 +219,7 @@ def _compare_with_eager(device: str, autocast_dtype, rtol: float, steps: int = 6
             # In float32 stale coefficients would still give the true gradients (factors and scales cancel), so
             # the applied vector is checked against the state itself.
             for graph in (g for g in state.mode.graphs if g.layout is not None):
-                _check_coefficients(state, graph, net.coefficients)
+                _check_coefficients(state, graph, net.coefficients, pure)
             factors_seen.append(state.arrays["factor"][:len(state.names)].clone())
         stored = _stored(state)
         state._active = []
