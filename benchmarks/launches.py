@@ -217,9 +217,39 @@ def host_times(work: Any, variants: list[str], dtype: str, timer: Callable[..., 
         return summarise(timer(runners, batches, work, "cpu"))
 
 
+#: Families of CUDA kernels by what their names contain (lower case; the first family that matches), so that a
+#: variant's extra kernels can be told apart on a GPU: Inductor's (which ``benchmarks.triton_kernels`` counts on a
+#: CPU) from the library calls and ATen's own kernels outside the compiled graphs (which it does not see).
+#: Attention comes before cuDNN (whose attention kernels hold "sdpa"), cuDNN's convolution kernels before the GEMMs
+#: (their names often hold "gemm" too).
+CUDA_KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("triton", ("triton_",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("convolution", ("conv", "cudnn", "fprop", "dgrad", "wgrad", "nchwtonhwc", "nhwctonchw")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "splitkreduce")),
+    ("multi-tensor", ("multi_tensor_apply",)),
+    ("copy/fill", ("memcpy", "memset", "copy_kernel", "fillfunctor")),
+)
+#: The family of a kernel that matches none of :data:`CUDA_KERNEL_FAMILIES`: ATen's element-wise kernels,
+#: reductions, index kernels.
+OTHER_FAMILY = "other"
+#: Non-Triton kernel names kept per variant in the JSON, most frequent first.
+TOP_NAMES = 15
+
+
+def kernel_family(name: str) -> str:
+    """The family (:data:`CUDA_KERNEL_FAMILIES`) of a CUDA kernel named ``name`` in torch's profiler."""
+    lowered = name.lower()
+    for family, needles in CUDA_KERNEL_FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return family
+    return OTHER_FAMILY
+
+
 def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -> dict[str, dict[str, Any]]:
     """On a GPU, per variant and step: CUDA kernels run, the time the GPU was busy with them (ms) and host reads
-    (``item``/``tolist``), from torch's profiler over ``steps`` steps after the timing (warm, graphs captured)."""
+    (``item``/``tolist``), from torch's profiler over ``steps`` steps after the timing (warm, graphs captured); the
+    kernels also by family (:func:`kernel_family`), and the most frequent names that are not Triton's."""
     import torch
     from torch.profiler import ProfilerActivity
 
@@ -236,16 +266,30 @@ def count_cuda_kernels(runners: dict[str, Any], batches: list, steps: int = 3) -
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         results[name] = {"kernels": len(kernels) / steps,
                          "gpu_busy_ms": sum(e.device_time for e in kernels) / steps / 1e3,
-                         "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events) / steps}
+                         "host_reads": sum(e.name == "aten::_local_scalar_dense" for e in events) / steps,
+                         **kernel_breakdown([e.name for e in kernels], steps)}
     return results
+
+
+def kernel_breakdown(names: list[str], steps: int) -> dict[str, Any]:
+    """``by_family``: kernels per step of each family (every family present, in :data:`CUDA_KERNEL_FAMILIES`'
+    order, then ``other``); ``top_other_names``: the :data:`TOP_NAMES` most frequent names outside the Triton
+    family, per step, each cut to 100 characters."""
+    families = Counter(kernel_family(name) for name in names)
+    order = [family for family, _ in CUDA_KERNEL_FAMILIES] + [OTHER_FAMILY]
+    others = Counter(name[:100] for name in names if kernel_family(name) != "triton")
+    return {"by_family": {family: families.get(family, 0) / steps for family in order},
+            "top_other_names": [[name, count / steps] for name, count in others.most_common(TOP_NAMES)]}
 
 
 def report_cuda(model: str, counts: dict[str, dict[str, Any]]) -> None:
     """Print :func:`count_cuda_kernels`'s table."""
     print(f"\n{model}: CUDA kernels per step and GPU busy time (torch.profiler)")
-    print(f"  {'variant':<22} {'kernels':>9} {'GPU busy ms':>12} {'host reads':>11}")
+    print(f"  {'variant':<22} {'kernels':>9} {'GPU busy ms':>12} {'host reads':>11}  by family")
     for name, c in counts.items():
-        print(f"  {name:<22} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}")
+        families = ", ".join(f"{family} {n:.0f}" for family, n in c.get("by_family", {}).items())
+        print(f"  {name:<22} {c['kernels']:>9.0f} {c['gpu_busy_ms']:>12.2f} {c['host_reads']:>11.0f}  {families}")
+    print("  (the JSON lists each variant's most frequent kernels outside the Triton family: top_other_names)")
 
 
 def report(model: str, counts: dict[str, dict[str, Any]], reference: str,

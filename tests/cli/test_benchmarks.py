@@ -430,6 +430,36 @@ def test_the_triton_proxy_names_each_kernels_kind_from_inductors_name_for_it():
     assert kernel_kind("triton_tem_fused_mm_0") == kernel_kind("") == "other"
 
 
+def test_a_gpu_step_s_kernels_are_told_apart_by_family_from_the_names_torch_s_profiler_gives_them():
+    """What the GPU's kernel counts are made of: Inductor's Triton kernels (what the CPU proxy counts), the library
+    calls and ATen's kernels outside the graphs, with names as CUDA 13's cuBLAS, cuDNN and torch give them."""
+    from benchmarks.launches import kernel_breakdown, kernel_family
+
+    names = {
+        "triton_red_fused_aminmax_7": "triton",
+        "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNN": "gemm",
+        "sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_cublas": "gemm",
+        "void splitKreduce_kernel<32, 16, int, __half, __half, float, __half, true, false, false>": "gemm",
+        "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "convolution",
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<__half, __half, float, false, true>": "convolution",
+        "void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64>>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<2>>": "multi-tensor",
+        "Memcpy DtoH (Device -> Pinned)": "copy/fill",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "copy/fill",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, MaxOps<float>>>": "other",
+    }
+    for name, family in names.items():
+        assert kernel_family(name) == family, name
+    found = kernel_breakdown(list(names) * 2 + ["triton_poi_fused_0"] * 4, steps=2)
+    assert list(found["by_family"]) == ["triton", "attention", "convolution", "gemm", "multi-tensor", "copy/fill",
+                                        "other"]
+    assert found["by_family"] == {"triton": 3, "attention": 2, "convolution": 2, "gemm": 3, "multi-tensor": 1,
+                                  "copy/fill": 2, "other": 1}
+    assert len(found["top_other_names"]) == 11 and all(count == 1 for _, count in found["top_other_names"])
+    assert not any(name.startswith("triton_") for name, _ in found["top_other_names"])
+
+
 def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_counts():
     # At the GPU's batch the float16 products, convolutions and attention would take minutes on a CPU
     # (--gpu-shape 64); a count whose Triton kernels are not run no longer needs their values, only their shapes and
