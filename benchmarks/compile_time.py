@@ -40,17 +40,53 @@ PHASES = {
     "inductor codegen": ("GraphLowering.codegen", "Scheduler.__init__", "Scheduler.codegen"),
     "kernel compile wait": ("async_compile.wait", "AsyncCompile.wait"),
     "load module": ("PyCodeCache.load_by_key_path", "GraphLowering.compile_to_module"),
+    # On a GPU, at a kernel's first launch: each of its Triton configs timed (Inductor's autotuner).
+    "autotuning (configs timed on the GPU)": ("CachingAutotuner.benchmark_all_configs",
+                                              "CachingAutotuner.combo_sequential_autotune",
+                                              "CachingAutotuner.coordinate_descent_tuning"),
 }
+
+
+def compile_seconds() -> dict[str, float]:
+    """Every key of torch's compile timers (``compilation_time_metrics``) with its seconds so far in this process."""
+    from torch._dynamo import utils
+    return {key: float(sum(values)) for key, values in dict(getattr(utils, "compilation_time_metrics", {})).items()}
+
+
+def grouped_phases(seconds: dict[str, float]) -> dict[str, float]:
+    """``seconds`` (:func:`compile_seconds`, or a difference of two) summed by :data:`PHASES`."""
+    return {phase: sum(t for key, t in seconds.items() if any(k in key for k in keys))
+            for phase, keys in PHASES.items()}
+
+
+def compiler_parts(seconds: dict[str, float]) -> dict[str, float]:
+    """Where first steps went, from ``seconds`` (:func:`compile_seconds`, or a difference of two), in parts that do
+    not nest in each other but where said:
+
+    - ``dynamo``: Dynamo's compile of the frames (for ``torch.compile`` this holds the backend's AOT autograd and
+      Inductor's forward; adaloss's compiled steps capture and rewrite there, and compile at their first call);
+    - ``aot autograd``: tracing the joint forward and backward, its passes and partition, without the forward's
+      Inductor compile, which it calls;
+    - ``inductor forward``, ``inductor backward``: Inductor on forward and backward graphs (lowering, fusion, code
+      generation, loading the module);
+    - ``binaries waited for``: the part of those two spent waiting for Triton's binaries or C++ builds;
+    - ``autotuning``: on a GPU, the Triton configs timed at a kernel's first launch, outside the compilers."""
+    def total(*needles: str, ends: str = "") -> float:
+        return sum(t for key, t in seconds.items() if (ends and key.endswith(ends)) or key in needles)
+
+    forward, backward = total(ends="fw_compiler_base"), total(ends="bw_compiler")
+    return {"dynamo": total("_compile.compile_inner"),
+            "aot autograd": max(total("create_aot_dispatcher_function") - forward, 0.0),
+            "inductor forward": forward, "inductor backward": backward,
+            "binaries waited for": total("async_compile.wait", "AsyncCompile.wait"),
+            "autotuning": sum(seconds.get(key, 0.0) for key in PHASES["autotuning (configs timed on the GPU)"])}
 
 
 def _phase_table() -> dict[str, float]:
     """compile_times so far, summed by phase, with every key's own total beside."""
-    from torch._dynamo import utils
-    table = dict(getattr(utils, "compilation_time_metrics", {}))
-    totals = {key: float(sum(values)) for key, values in table.items()}
-    grouped = {phase: sum(t for key, t in totals.items() if any(k in key for k in keys))
-               for phase, keys in PHASES.items()}
-    return {**grouped, **{f"  {key}": t for key, t in sorted(totals.items(), key=lambda kv: -kv[1])[:12]}}
+    totals = compile_seconds()
+    return {**grouped_phases(totals),
+            **{f"  {key}": t for key, t in sorted(totals.items(), key=lambda kv: -kv[1])[:12]}}
 
 
 def _child(model: str, variant: str, device: str, steps: int, limit: float) -> dict[str, Any]:

@@ -83,6 +83,11 @@ def report_model(work: Workload, device: str, dtype: str, timing: dict[str, dict
         print(f"{name:<22}{_fmt(row['ms_median'], '.2f', 10)}{_fmt(row.get('ratio'), '.3f', 8)}{spread:>16}"
               f"{_fmt(row.get('peak_mb'), '.2f', 10)}{_fmt(mem_ratio, '.3f', 11)}"
               f"{_fmt(row.get('rss_mb'), '.2f', 9)}{_fmt(rss_ratio, '.3f', 11)}  {'; '.join(notes)}")
+    for name, row in timing.items():
+        spent = {part: t for part, t in row.get("compile_phases_s", {}).items() if t >= 0.05}
+        if row.get("compile_s", 0.0) >= 0.5 and spent:  # (the parts: compile_time.compiler_parts)
+            print(f"  {name}: its first steps by torch's compile timers (s): "
+                  + ", ".join(f"{part} {t:.1f}" for part, t in spent.items()))
     checks = []
     goals = CUDA_TIME_GOALS if device.startswith("cuda") else TIME_GOALS
     for name, limit in goals.items():

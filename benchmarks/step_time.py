@@ -72,6 +72,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compile_time import compile_seconds, compiler_parts
 from benchmarks.memory import RSS, TENSORS, measure_memory, step_peaks
 from benchmarks.report import report_model
 from benchmarks.workloads import (ADAPTIVE_COMPILED, COMPILED_REFERENCE, COMPILED_VARIANTS, COOPERATIVE_VARIANTS,
@@ -124,12 +125,14 @@ def left_out_rows(timing: dict[str, dict[str, Any]], dropped: dict[str, float]) 
 
 def time_variants(runners: dict[str, Runner], batches: list, work: Workload, device: str,
                   warmup: dict[str, list[float]] | None = None,
-                  dropped: dict[str, float] | None = None) -> dict[str, list]:
+                  dropped: dict[str, float] | None = None,
+                  phases: dict[str, dict[str, float]] | None = None) -> dict[str, list]:
     """Per-step seconds of every variant, one list per repeat; variants interleaved step by step. A slow warm-up
     round (compiling, capturing: minutes on a GPU) says so on stderr, so a run cut short shows how far it got;
     ``warmup`` (when given) receives each variant's warm-up step seconds: the first is its capture and compile.
     ``dropped`` (when given): the variants :func:`too_slow` finds after the warm-up are not timed, and land
-    there."""
+    there. ``phases`` (when given) receives the seconds torch's compile timers counted during each variant's
+    warm-up steps, by key (``compile_time.compiler_parts`` sums them by part)."""
     sync = synchronizer(device)
     names = list(runners)
     seen: dict[str, list[float]] = {} if warmup is None else warmup
@@ -138,11 +141,17 @@ def time_variants(runners: dict[str, Runner], batches: list, work: Workload, dev
         x, y = batches[k % len(batches)]
         seconds = {}
         for name in names:
+            before = compile_seconds() if phases is not None else {}
             start = time.perf_counter()
             runners[name].step(x, y)
             sync()
             seconds[name] = time.perf_counter() - start
             seen.setdefault(name, []).append(seconds[name])
+            if phases is not None:
+                spent = phases.setdefault(name, {})
+                for key, total in compile_seconds().items():
+                    if total > before.get(key, 0.0):
+                        spent[key] = spent.get(key, 0.0) + total - before.get(key, 0.0)
         if sum(seconds.values()) > 2.0:
             print(f"  warm-up {i + 1}/{work.warmup}: " + ", ".join(f"{n} {t:.1f} s" for n, t in seconds.items()),
                   file=sys.stderr, flush=True)
@@ -403,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         runners = {name: Runner(name, initial, args.dtype, args.device) for name in args.variants}
         warmup: dict[str, list[float]] = {}
         dropped: dict[str, float] = {}
-        times = time_variants(runners, batches, work, args.device, warmup, dropped)
+        phases: dict[str, dict[str, float]] = {}
+        times = time_variants(runners, batches, work, args.device, warmup, dropped, phases)
         for name in dropped:
             del runners[name], warmup[name]
         timing = summarise_times(times)
@@ -413,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             # compiled adaptive variant compiles a refresh and a between-refreshes graph in its first steps).
             timing[name]["warmup_s"] = sum(seconds)
             timing[name]["compile_s"] = max(sum(seconds) - len(seconds) * timing[name]["ms_median"] / 1e3, 0.0)
+            if any(phases.get(name, {}).values()):  # where those seconds went, by torch's own timers
+                timing[name]["compile_phases_s"] = compiler_parts(phases[name])
         runs = {name: runner.summary() for name, runner in runners.items()}
         peaks = {}
         if any(compiles(name, args.device) for name in runners):  # their memory, measured in this process

@@ -343,20 +343,12 @@ def _compiler_seconds() -> dict[str, float]:
     """The seconds spent so far in this process by AOT autograd (tracing the joint forward and backward, its graph
     passes and partition; without the forward's compile, which it calls) and by Inductor compiling forward graphs and
     backward graphs (lowering, scheduling and fusion, code generation, loading the module): the compilers' own
-    timers, ``torch._dynamo.utils.compilation_time_metrics``. Disjoint, unlike a step's wall time, which also holds
-    the eager work of the step."""
-    from torch._dynamo.utils import compilation_time_metrics
+    timers (``compile_time.compiler_parts``). Disjoint, unlike a step's wall time, which also holds the eager work
+    of the step."""
+    from benchmarks.compile_time import compile_seconds, compiler_parts
 
-    spent = {"aot": 0.0, "forward": 0.0, "backward": 0.0}
-    for key, values in compilation_time_metrics.items():
-        if key == "create_aot_dispatcher_function":
-            spent["aot"] += sum(values)
-        elif key.endswith("fw_compiler_base"):
-            spent["forward"] += sum(values)
-        elif key.endswith("bw_compiler"):
-            spent["backward"] += sum(values)
-    spent["aot"] -= spent["forward"]
-    return spent
+    parts = compiler_parts(compile_seconds())
+    return {"aot": parts["aot autograd"], "forward": parts["inductor forward"], "backward": parts["inductor backward"]}
 
 
 #: The NVIDIA GPU ``--compile-for-gpu`` compiles for by default: compute capability 9.0, an H100's or H200's.

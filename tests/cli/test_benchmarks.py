@@ -360,6 +360,50 @@ def test_on_cuda_the_default_adaptive_configuration_is_held_to_issue_30s_goals(c
     assert on_cpu["adaptive-1/gradscaler step time"]["limit"] == 1.10 and not any("first steps" in g for g in on_cpu)
 
 
+def test_a_compiling_variant_s_first_steps_are_split_by_torch_s_compile_timers_and_printed(capsys):
+    """Where a compiled variant's first steps go (issue 30: Dynamo, AOT autograd, Inductor, and on a GPU the
+    autotuner's timing of Triton configs), from torch's own timers during each variant's warm-up steps."""
+    import time
+    from dataclasses import replace
+
+    from torch._dynamo.utils import dynamo_timed
+
+    from benchmarks.compile_time import compiler_parts
+    from benchmarks.report import report_model
+    from benchmarks.step_time import summarise_times, time_variants
+    from benchmarks.workloads import workload_for
+
+    class Runner:
+        def __init__(self, compiles: bool) -> None:
+            self.compiles, self.steps = compiles, 0
+
+        def step(self, x, y) -> None:
+            self.steps += 1
+            if self.compiles and self.steps == 1:  # compiles at its first step only, as a compiled variant does
+                with dynamo_timed("create_aot_dispatcher_function"):
+                    with dynamo_timed("compile_fx.<locals>.fw_compiler_base"):
+                        time.sleep(0.06)
+                with dynamo_timed("CachingAutotuner.benchmark_all_configs"):
+                    time.sleep(0.06)
+
+    work = replace(workload_for("mlp", "cpu", True), warmup=2, steps=2, repeats=1)
+    warmup, phases = {}, {}
+    times = time_variants({"gradscaler": Runner(False), "adaptive-1": Runner(True)}, [(None, None)], work, "cpu",
+                          warmup, None, phases)
+    assert not any(phases["gradscaler"].values())
+    spent = phases["adaptive-1"]
+    assert spent["compile_fx.<locals>.fw_compiler_base"] >= 0.06
+    assert spent["CachingAutotuner.benchmark_all_configs"] >= 0.06
+    timing = summarise_times(times)
+    timing["adaptive-1"]["compile_s"] = 0.6
+    timing["adaptive-1"]["compile_phases_s"] = parts = compiler_parts(spent)
+    assert parts["inductor forward"] >= 0.06 and parts["aot autograd"] < 0.01  # the forward's compile is Inductor's
+    report_model(work, "cpu", "float16", timing, {}, {})
+    line = next(line for line in capsys.readouterr().out.splitlines() if "compile timers" in line)
+    assert line.startswith("  adaptive-1: ") and "inductor forward 0.1" in line and "autotuning 0.1" in line
+    assert "dynamo" not in line  # a phase that took no time is left out
+
+
 def _triton_available() -> bool:
     from benchmarks.triton_kernels import triton_available
     return triton_available()
