@@ -53,6 +53,9 @@ _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "maximum", "minimum", "whe
                           "ne", "pow", "logical_and", "logical_or", "bitwise_and", "bitwise_or"})
 #: How the profiler names a C++ kernel Inductor generated, compiled with ``cpp.enable_kernel_profile``.
 _GENERATED_KERNEL = "_cpp_fused_"
+#: A scale point's float32 weight product (``adaloss.torch.points.mm_float32``): one GEMM of float16 operands on
+#: CUDA, where a CPU widens both operands first; counted as the one launch, and the bytes of the operands, CUDA's.
+_FLOAT32_PRODUCT = "adaloss::mm_float32"
 
 
 def count_step(step: Any) -> dict[str, Any]:
@@ -74,7 +77,11 @@ def count_step(step: Any) -> dict[str, Any]:
     for event in events:
         if _GENERATED_KERNEL in event.name:  # one kernel Inductor generated (see the module docstring)
             leaves["(generated)"] += 1
-        if not event.name.startswith("aten::"):
+        if event.name == _FLOAT32_PRODUCT:  # one GEMM on CUDA, of the float16 operands it records
+            leaves["mm_float32"] += 1
+            read["mm_float32"] += _operand_bytes(event)
+            continue
+        if not event.name.startswith("aten::") or _inside(event, _FLOAT32_PRODUCT):
             continue
         ops += 1
         name = event.name[len("aten::"):]
@@ -84,6 +91,16 @@ def count_step(step: Any) -> dict[str, Any]:
             read[name] += _operand_bytes(event)
     return {"ops": ops, "launches": sum(leaves.values()), "generated": leaves["(generated)"], "host_reads": reads,
             "bytes": sum(read.values()), "top": leaves.most_common(8), "top_bytes": read.most_common(6)}
+
+
+def _inside(event: Any, name: str) -> bool:
+    """Whether an event runs inside an operation called ``name``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _works(event: Any) -> bool:
@@ -132,6 +149,7 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     import torch
 
     from adaloss.core.array_ops import device_scalars
+    from adaloss.torch.points import float32_weight_products_on_cpu
     from benchmarks.workloads import Runner, build_initial
 
     initial, batches = build_initial(work, "cpu")
@@ -139,7 +157,8 @@ def count_variants(work: Any, variants: list[str], dtype: str) -> dict[str, dict
     # Dynamo keeps what it compiled for a module class's forward and reuses it for every instance: GradScaler's
     # compiled model would run the kernels compiled for the timing, unprofiled, and its own would go uncounted.
     torch._dynamo.reset()
-    with device_scalars(), torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+    with (device_scalars(), float32_weight_products_on_cpu(),
+          torch._inductor.config.patch({"cpp.enable_kernel_profile": True})):
         for name in variants:
             runner = Runner(name, copy.deepcopy(initial), dtype, "cpu")
             for k in range(4):  # the model's own capture, then (compiled) steps of each kind
@@ -209,10 +228,11 @@ def host_times(work: Any, variants: list[str], dtype: str, timer: Callable[..., 
     (autograd Functions, the scale logic) and dispatch. That is what bounds an eager adaptive step on a GPU, where
     the kernels run beside the host, and what the launch counts above do not see."""
     from adaloss.core.array_ops import device_scalars
+    from adaloss.torch.points import float32_weight_products_on_cpu
     from benchmarks.workloads import Runner, build_initial
 
     initial, batches = build_initial(work, "cpu")
-    with device_scalars():
+    with device_scalars(), float32_weight_products_on_cpu():
         runners = {name: Runner(name, copy.deepcopy(initial), dtype, "cpu") for name in variants}
         return summarise(timer(runners, batches, work, "cpu"))
 

@@ -21,8 +21,9 @@ to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled s
 rather than inlining it into its users (a CPU's are larger), and 0-d tensors kept as buffers that kernels load and
 store, as a GPU's device tensors are (Inductor passes a 0-d CPU tensor to a Triton kernel as a number, meant for
 the CPU scalars of a CUDA graph, and a kernel that reuses one's memory for its output could not store to it). Kernel *launches* are counted (a kernel run twice
-counts twice), per step. The interpreter cannot run a cooperative kernel (its thread blocks wait for each other
-at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
+counts twice), per step. Linear scale points take the float32 weight products that CUDA takes
+(``adaloss.torch.points.float32_weight_products_on_cpu``): one library call each, as there. The interpreter
+cannot run a cooperative kernel (its thread blocks wait for each other at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
 tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
@@ -207,6 +208,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
     import torch
     from torch._inductor import config, metrics
 
+    from adaloss.torch.points import float32_weight_products_on_cpu
     from benchmarks.workloads import COOPERATIVE_VARIANTS, Runner, build_initial, workload_for
 
     launches = _prepare_interpreter()
@@ -228,7 +230,7 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         _forget_generated_kernels()  # each variant generates (and times) all its kernels, as a fresh process does
         compiler_before = _compiler_seconds()
         with config.patch({**_gpu_thresholds(config), "cpu_backend": "triton", "fx_graph_cache": False}), \
-                _library_products_zeroed(not _RUN_KERNELS[0]):
+                _library_products_zeroed(not _RUN_KERNELS[0]), float32_weight_products_on_cpu():
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
             counts, megabytes, kinds = [], [], []
             _LAUNCHED.clear()

@@ -29,7 +29,7 @@ __all__ = ["branch_scale_step", "layer_scale_step", "output_scale_step", "refres
 
 def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: Any, weight: Any, fan: int,
                      axes: tuple[int, int] | None = None, x_bound: Any = None,
-                     x_axis: int = -1) -> tuple[Any, Any, Any] | None:
+                     x_axis: int = -1, weight_in_float32: bool = False) -> tuple[Any, Any, Any] | None:
     """One scale point's backward bookkeeping: returns (s, s_w, A_w), or None in measure-only mode (where the
     scale passes through unchanged and the layer's gradients are left as they are).
 
@@ -38,6 +38,8 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
     A_w. On refresh iterations the statistics come from gy, ``weight`` (the layer's weight or its
     :func:`~.adaptive.weight_statistics`) and ``x_bound`` (the layer input, whose feature axis is ``x_axis``, or
     its :func:`~.range_bounds.abs_sum_max`; None: the weight gradient shares s), through :func:`refresh_layer`.
+    ``weight_in_float32``: the backend's product for the weight gradient returns float32 (range enough for any
+    sum of float16 products) from gy as it arrives, so s_w = 1 and A_w = A, and ``x_bound`` is not needed.
     All values are 0-d device arrays, or float32 scalars for arrays in host memory.
     """
     arrays = state.scale_arrays()
@@ -49,13 +51,14 @@ def layer_scale_step(state: Any, index: int, in_slot: int, out_slot: int, gy: An
         return None
     if state.refresh:
         return refresh_layer(*arrays, gy, weight, x_bound, index=index, in_slot=in_slot,
-                                          out_slot=out_slot, origin_slot=state.origin_slot, fan=fan, axes=axes,
-                                          x_axis=x_axis, options=state.options, headroom=state.headroom)
+                             out_slot=out_slot, origin_slot=state.origin_slot, fan=fan, axes=axes,
+                             x_axis=x_axis, options=state.options, headroom=state.headroom,
+                             weight_in_float32=weight_in_float32)
     accum = table[out_slot]
     ops = ops_for(gy)
     with ops.quiet():
         values = _bounded(ops.scalars, unbound[index], weight_unbound[index], accum, table[state.origin_slot],
-                          state.options)
+                          state.options, weight_in_float32)
     return _store(arrays, index, in_slot, values)
 
 
@@ -81,33 +84,41 @@ def _store(arrays: tuple, index: int, in_slot: int, values: tuple) -> tuple[Any,
 
 
 def refresh_factors(gy: Any, weight: Any, x_bound: Any, accum: Any, origin: Any, *, fan: int,
-                    axes: tuple[int, int] | None, x_axis: int, options: Any, headroom: Any) -> tuple:
+                    axes: tuple[int, int] | None, x_axis: int, options: Any, headroom: Any,
+                    weight_in_float32: bool = False) -> tuple:
     """The whole statistics-and-factor computation of one scale point on a refresh, as a pure function:
     (unbound, weight_unbound, factor, weight_factor, A * factor, A * weight_factor) from gy (scale ``accum``),
     the weight (or its statistics), the layer input (or its :func:`~.range_bounds.abs_sum_max`, or None) and the
     output point's scale ``origin``. Written once for every backend; a backend may compile it as it is, with the
-    ``headroom`` a 0-d value of gy's namespace (an input of the compiled graph) instead of a number."""
+    ``headroom`` a 0-d value of gy's namespace (an input of the compiled graph) instead of a number.
+    ``weight_in_float32``: see :func:`layer_scale_step` (weight_unbound is then +inf, weight_factor 1)."""
     ops = ops_for(gy)
     sops = ops.scalars
     with ops.quiet():
         peak = Peak(ops, gy)  # max |gy|, reduced once for both factors
         unbound = unbound_factor_with(ops, gy, statistics_for(weight, options, axes), fan, options, headroom, peak)
-        if options.exact_bounds and x_bound is not None:
+        if options.exact_bounds and x_bound is not None and not weight_in_float32:
             if not isinstance(x_bound, _SCALAR_TYPES) and getattr(x_bound, "ndim", 0) > 0:
                 x_bound = abs_sum_max(ops_for(x_bound), x_bound, x_axis)
             u_max = options.range_for(gy.dtype)[1] * headroom
             weight_unbound = weight_gradient_bound_with(ops, gy, ops.scalar(x_bound), u_max, peak)
         else:
             weight_unbound = sops.const(float("inf"))
-        return (unbound, weight_unbound) + _bounded(sops, unbound, weight_unbound, accum, origin, options)
+        return (unbound, weight_unbound) + _bounded(sops, unbound, weight_unbound, accum, origin, options,
+                                                    weight_in_float32)
 
 
-def _bounded(sops: Any, unbound: Any, weight_unbound: Any, accum: Any, origin: Any, options: Any) -> tuple:
+def _bounded(sops: Any, unbound: Any, weight_unbound: Any, accum: Any, origin: Any, options: Any,
+             weight_in_float32: bool = False) -> tuple:
     """(factor, weight_factor, A * factor, A * weight_factor): the caps and the power-of-two floor applied with
-    the current accumulated scales (what steps between refreshes recompute when anything changed)."""
+    the current accumulated scales (what steps between refreshes recompute when anything changed). A weight
+    gradient computed in float32 (``weight_in_float32``) needs no factor of its own: 1, and A_w = A."""
     ceiling = sops.const(MAX_ACCUMULATED_SCALE) / accum
     factor = bound_with(sops, unbound, accum, options, origin, ceiling)
-    weight_factor = _weight_factor(sops, factor, weight_unbound, ceiling, options)
+    if weight_in_float32:
+        weight_factor = sops.const(1.0)
+    else:
+        weight_factor = _weight_factor(sops, factor, weight_unbound, ceiling, options)
     return factor, weight_factor, accum * factor, accum * weight_factor
 
 

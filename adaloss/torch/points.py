@@ -3,8 +3,10 @@
 A scale point computes y = op(x, W, b) in the compute dtype (casting its operands as torch.autocast would) and, in
 backward, gets two factors from the core: s for the input gradient gx = op_x(s * gy, W) and s_w for the weight
 gradient dW = op_w(s_w * gy, x). Each is the largest the method allows without overflow, so the weight gradient, which
-sums over the whole batch, no longer forces the input gradient down with it. The weight and bias gradients leave
-backward divided by their scales, in float32. Each kind below supplies the three products and its statistics axes:
+sums over the whole batch, no longer forces the input gradient down with it. Where the weight gradient's product
+returns float32 (a Linear layer on CUDA, :func:`float32_product`), it needs no factor of its own: dW = op_w(gy, x) in
+float32, s_w = 1, and no scaled copy of gy is made for it. The weight and bias gradients leave backward divided by
+their scales, in float32. Each kind below supplies the three products and its statistics axes:
 
 - :class:`LinearPoint`: ``F.linear(x, W, b)``, W (out, in);
 - :class:`ConvPoint`: ``torch.conv{1,2,3}d`` and ``torch.conv_transpose{1,2,3}d`` through ``aten.convolution``;
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,8 @@ from adaloss.core.scale_steps import layer_scale_step
 from .scale_ops import divide_to, multiply, same_factor
 from .scale_state import Execution, ScaleState
 
-__all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint", "autocast_off", "cast_operand"]
+__all__ = ["ConvPoint", "LinearPoint", "MatmulPoint", "ScalePoint", "autocast_off", "cast_operand",
+           "cpu_takes_float32_weight_products", "float32_product", "float32_weight_products_on_cpu"]
 
 
 def cast_operand(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -129,26 +132,30 @@ class ScalePoint(nn.Module):
             return (gx, self.weight_grad(gy, x, w_shape, w) if needs_w else None,
                     self.bias_grad(gy, _accumulation(gy)) if needs_b else None)
         execution.started_backward()
-        factors = self._factors(execution, gy, x, w, master, needs_w)
+        wide = self.weight_in_float32(gy)
+        factors = self._factors(execution, gy, x, w, master, needs_w, wide)
         if factors is None:  # measure-only: the layer's native arithmetic
             gx = self.input_grad(gy, x, x_shape, w) if needs_x else None
             gw = self.weight_grad(gy, x, w_shape, w) if needs_w else None
             gb = self.bias_grad(gy, gy.dtype) if needs_b else None
         else:
             factor, weight_factor, weight_scale = factors
+            scaled_w = needs_w and not wide  # a weight gradient from a scaled copy of gy (or a scaled product)
             if self.scales_in_product and not isinstance(factor, torch.Tensor) and not isinstance(
                     weight_factor, torch.Tensor):
                 # Host factors (every step on CPU; on a device between refreshes): the product applies each to its
                 # float32 accumulator, so no scaled copy of gy is written and read again.
                 gx = self.input_grad(gy, x, x_shape, w, float(factor)) if needs_x else None
-                gw = self.weight_grad(gy, x, w_shape, w, float(weight_factor)) if needs_w else None
+                gw = self.weight_grad(gy, x, w_shape, w, float(weight_factor)) if scaled_w else None
             else:
                 shared = same_factor(weight_factor, factor)
-                scaled = multiply(gy, factor) if needs_x or (needs_w and shared) else None
+                scaled = multiply(gy, factor) if needs_x or (scaled_w and shared) else None
                 gx = self.input_grad(scaled, x, x_shape, w) if needs_x else None
                 gw = None
-                if needs_w:
+                if scaled_w:
                     gw = self.weight_grad(scaled if shared else multiply(gy, weight_factor), x, w_shape, w)
+            if needs_w and wide:  # s_w = 1: gy as it arrives, at scale A = A_w, summed and kept in float32
+                gw = self.float32_weight_grad(gy, x, w_shape)
             if gw is not None:
                 if execution.mirror is not None:  # the device's copy of the same scale divides in one kernel
                     weight_scale = self.state.arrays["weight_scale"][self.index:self.index + 1]
@@ -160,15 +167,15 @@ class ScalePoint(nn.Module):
         return gx, gw, gb
 
     def _factors(self, execution: Execution, gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
-                 master: torch.Tensor, needs_w: bool) -> tuple | None:
+                 master: torch.Tensor, needs_w: bool, wide: bool) -> tuple | None:
         weight = x_input = None
         options = execution.options
         if execution.refresh and execution.adaptive:
             weight = w if (w is not None and rule_of(options).exact_weight) else master.detach()
-            if needs_w and options.exact_bounds:
+            if needs_w and options.exact_bounds and not wide:
                 x_input = x.detach()  # a saved input may require grad: one compiled refresh serves both
         return layer_scale_step(execution, self.index, self.in_slot, self.out_slot, gy, weight, self.fan,
-                                self.axes, x_input, self.x_axis)
+                                self.axes, x_input, self.x_axis, weight_in_float32=wide)
 
     def _record(self, execution: Execution, gx: torch.Tensor) -> None:
         """Recorded step: the input gradient's scale, and the share of it lost to underflow against the float32
@@ -195,6 +202,19 @@ class ScalePoint(nn.Module):
         raise NotImplementedError
 
     def bias_grad(self, gy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_in_float32(self, gy: torch.Tensor) -> bool:
+        """Whether this point's weight gradient for ``gy`` comes from a product that returns float32
+        (:meth:`float32_weight_grad`): then it needs no factor of its own (the core's s_w is 1), no scaled copy of gy
+        and no statistics of the layer input. Only where the weight gradient would get a factor of its own
+        (``exact_bounds``; without, the paper's arithmetic: s * gy for both products). Decided by the kind, device,
+        dtype and options alone, so that every step of a model decides alike (a refresh stores s_w for the steps
+        after it)."""
+        return False
+
+    def float32_weight_grad(self, gy: torch.Tensor, x: torch.Tensor, w_shape: torch.Size) -> torch.Tensor:
+        """The weight gradient's product of gy as it arrives, in float32 (where :meth:`weight_in_float32`)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -255,6 +275,67 @@ def _mm(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     return torch.addmm(zero, a, b, beta=0, alpha=alpha)
 
 
+#: Whether this torch multiplies float16 and bfloat16 matrices into float32 on CUDA (``torch.mm(...,
+#: out_dtype=torch.float32)``, torch 2.8 and later: cuBLAS accumulates in float32 and keeps it).
+MM_OUT_DTYPE = hasattr(torch.library, "custom_op") and "dtype" in torch.ops.aten.mm.overloads()
+#: Whether scale points on a CPU take the float32 weight products too (see :func:`float32_weight_products_on_cpu`).
+_FLOAT32_WEIGHT_PRODUCTS_ON_CPU = False
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def cpu_takes_float32_weight_products() -> bool:
+    """Whether scale points on a CPU take the float32 weight products now (inside
+    :func:`float32_weight_products_on_cpu`): the graphs they trace differ, so compiled graphs' cache keys hold it."""
+    return _FLOAT32_WEIGHT_PRODUCTS_ON_CPU
+
+
+@contextlib.contextmanager
+def float32_weight_products_on_cpu() -> Iterator[None]:
+    """Within the block, scale points on a CPU take the float32 weight products that CUDA takes (:func:`mm_float32`
+    then widens both operands: the same products, summed in float32): for tests and GPU-cost proxies that run the
+    CUDA path on CPU tensors. Run every step of a model inside it or none: a refresh stores s_w = 1 for the steps
+    after it, which a step outside would apply to a float16 product."""
+    global _FLOAT32_WEIGHT_PRODUCTS_ON_CPU
+    saved, _FLOAT32_WEIGHT_PRODUCTS_ON_CPU = _FLOAT32_WEIGHT_PRODUCTS_ON_CPU, True
+    try:
+        yield
+    finally:
+        _FLOAT32_WEIGHT_PRODUCTS_ON_CPU = saved
+
+
+if MM_OUT_DTYPE:  # (torch.library.custom_op: torch 2.4 and later)
+    @torch.library.custom_op("adaloss::mm_float32", mutates_args=())
+    def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b of two float16 (or bfloat16) matrices, accumulated and returned in float32: on CUDA one cuBLAS
+        GEMM (``torch.mm(out_dtype=torch.float32)``); on a CPU (the tests of the CUDA path) the same products,
+        each exact in float32, summed by a float32 GEMM of the widened operands. An operator of its own so that
+        compiled steps call it as it is where Inductor does not lower ``mm``'s ``out_dtype`` (torch 2.8 and 2.9,
+        and CPUs), and AOT autograd's and Inductor's caches keep graphs that hold it. (Tagged
+        ``flexible_layout``, its operands' layouts left to Inductor, a nanoGPT refresh launched 191 Triton
+        kernels instead of 180 at batch 8.)"""
+        if a.device.type == "cpu":
+            return torch.mm(a.float(), b.float())
+        return torch.mm(a, b, out_dtype=torch.float32)
+
+    @mm_float32.register_fake
+    def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
+
+
+#: Whether torch.compile takes ``torch.mm(..., out_dtype=...)`` as it is (Inductor lowers ``aten.mm.dtype`` to
+#: cuBLAS from torch 2.10 on; 2.8 and 2.9 fail to trace it).
+_MM_OUT_DTYPE_COMPILES = MM_OUT_DTYPE and torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+
+
+def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of two float16 (or bfloat16) matrices in float32: on CUDA torch's own ``mm`` with ``out_dtype``
+    where torch.compile takes it (an operator written in Python, :func:`mm_float32`, costs about 20 us of host time
+    a call, as much as a kernel launch), else :func:`mm_float32`."""
+    if a.device.type == "cuda" and _MM_OUT_DTYPE_COMPILES:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return mm_float32(a, b)
+
+
 class LinearPoint(ScalePoint):
     """``F.linear(x, W, b)`` with W (out, in) and x (..., in)."""
 
@@ -272,6 +353,14 @@ class LinearPoint(ScalePoint):
 
     def weight_grad(self, gy, x, w_shape, w, alpha: float = 1.0):
         return _mm(gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1]), alpha)
+
+    def weight_in_float32(self, gy: torch.Tensor) -> bool:
+        options = self.state.options
+        return (MM_OUT_DTYPE and gy.dtype in _LOW_PRECISION and options is not None and options.exact_bounds
+                and (gy.device.type == "cuda" or (gy.device.type == "cpu" and _FLOAT32_WEIGHT_PRODUCTS_ON_CPU)))
+
+    def float32_weight_grad(self, gy, x, w_shape):
+        return float32_product(gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1]))
 
     def bias_grad(self, gy, dtype):
         return gy.reshape(-1, gy.shape[-1]).sum(0, dtype=dtype)

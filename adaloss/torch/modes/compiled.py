@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import fx
 
+from adaloss.torch.points import cpu_takes_float32_weight_products
 from adaloss.torch.scale_ops import compute_dtype
 from adaloss.torch.scale_state import GraphPlan, ScaleState
 
@@ -184,8 +185,10 @@ def compile_static(static: fx.GraphModule, example_inputs: list, options: Mappin
             or patches.get("triton.force_cooperative_reductions", config.triton.force_cooperative_reductions)):
         _name_workspaces()  # (also when asked for through Inductor's own config or environment)
     marked = patches.get("unsafe_marked_cacheable_functions", config.unsafe_marked_cacheable_functions)
-    # The digest keys both caches: a graph compiled with its blocks outlined is another graph.
-    digest = source_digest() + (":regional" if outlined is not None else "")
+    # The digest keys both caches: a graph compiled with its blocks outlined is another graph, and so is one whose
+    # CPU scale points took CUDA's float32 weight products (tests and proxies of the CUDA path).
+    digest = (source_digest() + (":regional" if outlined is not None else "")
+              + (":float32-weight-products" if cpu_takes_float32_weight_products() else ""))
     patches["unsafe_marked_cacheable_functions"] = {**marked, STATIC_CALL: digest}  # (the user's kept)
     # With the user's own Inductor options the backward is lowered here too, not lazily at its first call (AOT
     # autograd's default), where a compiler failure would be raised out of the user's backward() instead of falling

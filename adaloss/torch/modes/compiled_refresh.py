@@ -201,11 +201,12 @@ class _RefreshPoint(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:8]
         accum = trace.read(c, point.out_slot)
         weight = wc if rule_of(options).exact_weight else master.detach()
-        x_input = xc.detach() if needs[1] and options.exact_bounds else None
+        wide = point.weight_in_float32(gy)
+        x_input = xc.detach() if needs[1] and options.exact_bounds and not wide else None
         with autocast_off(gy.device.type):  # (the trace may run inside the forward's autocast region)
             unbound, weight_unbound, factor, weight_factor, in_scale, weight_scale = refresh_factors(
                 gy, weight, x_input, accum, trace.read(c, trace.origin_slot), fan=point.fan, axes=point.axes,
-                x_axis=point.x_axis, options=options, headroom=trace.headroom(c))
+                x_axis=point.x_axis, options=options, headroom=trace.headroom(c), weight_in_float32=wide)
         written = trace.write(point.in_slot, in_scale)
         grads = point_gradients(ctx, gy, needs, factor, weight_factor, weight_scale, accum)
         values = (unbound, weight_unbound, factor, weight_factor, weight_scale)

@@ -1,0 +1,142 @@
+"""A Linear layer's weight gradient from a product that returns float32 (cuBLAS's ``out_dtype``, on CUDA): no weight
+factor, no scaled copy of gy for it, no statistics of the layer input, and the gradient at least as near the float32
+one. On a CPU the tests take the same path through ``points._FLOAT32_WEIGHT_PRODUCTS_ON_CPU``, where
+:func:`~adaloss.torch.points.mm_float32` widens both operands (the same products, summed in float32)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from adaloss.core.array_ops import device_scalars  # noqa: E402
+from adaloss.torch import points  # noqa: E402
+from adaloss.torch.scaler import LossScaler  # noqa: E402
+
+from test_compiled_steps import _compare_with_eager, _float32_gradients, _gradients  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def float32_products(monkeypatch):
+    """The float32 weight products on this CPU, with every call of them counted."""
+    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
+    assert points.cpu_takes_float32_weight_products()
+    calls = []
+    product = points.LinearPoint.float32_weight_grad
+
+    def counted(self, gy, x, w_shape):
+        calls.append(self.name)
+        return product(self, gy, x, w_shape)
+
+    monkeypatch.setattr(points.LinearPoint, "float32_weight_grad", counted)
+    return calls
+
+
+def test_only_a_low_precision_linear_gradient_on_cuda_takes_the_float32_product_unless_a_test_asks(monkeypatch):
+    state = LossScaler(nn.Linear(2, 2), "adaptive").state
+    linear = points.LinearPoint(state, "fc", torch.empty(3, 2))
+    half, single = torch.empty(2, 3, dtype=torch.float16), torch.empty(2, 3)
+    assert not linear.weight_in_float32(half)  # a CPU: the host path's scaled products
+    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
+    assert linear.weight_in_float32(half) == points.MM_OUT_DTYPE
+    assert not linear.weight_in_float32(single)  # float32 training: nothing to widen
+    conv = points.ConvPoint(state, "conv", torch.empty(3, 2, 3, 3), [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    assert not conv.weight_in_float32(half)  # no convolution returns a wider dtype
+    paper = LossScaler(nn.Linear(2, 2), "adaptive", exact_bounds=False).state  # the paper's shared factor
+    assert not points.LinearPoint(paper, "fc", torch.empty(3, 2)).weight_in_float32(half)
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+def test_the_float32_product_sums_the_float16_products_in_float32():
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(40, 300, generator=gen) * 300).half()
+    b = (torch.randn(300, 20, generator=gen) * 300).half()
+    out = points.mm_float32(a, b)
+    assert out.dtype == torch.float32
+    # each float16 product is exact in float32; a sum of n of them in float32 is off by at most n * 2^-24 * sum |ab|
+    bound = 300 * 2.0 ** -24 * a.double().abs().mm(b.double().abs())
+    assert ((out.double() - a.double().mm(b.double())).abs() <= bound).all()
+    assert not torch.isfinite(a @ b).all() and torch.isfinite(out).all()  # float16's own product overflows
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+def test_compiled_steps_with_float32_weight_products_give_the_eager_gradients_and_store_no_weight_factor(
+        float32_products):
+    with device_scalars():
+        scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, forbid_reads=True)
+    assert "fc" in float32_products  # traced into the compiled refresh and steps, and run by the eager ones
+    state = scaler.state
+    layers = {row.layer: row for row in scaler.layer_scales()}
+    assert layers["fc"].weight_factor == 1.0
+    assert math.isinf(state.arrays["weight_unbound"][state.names.index("fc")])  # no bound: no input statistics
+    assert any(row.weight_factor != 1.0 for name, row in layers.items() if name != "fc")  # convolutions keep theirs
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-factors", "device-factors"])
+def test_a_weight_gradient_kept_in_float32_is_at_least_as_near_the_float32_one(monkeypatch, device_path):
+    """A large batch of large inputs: the weight gradients sum 4,096 rows, which in float16 needed a factor of their
+    own (and rounded to 11 bits); kept in float32 they need none and round to 24."""
+    def errors(wide: bool) -> dict[str, float]:
+        monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", wide)
+        torch.manual_seed(0)
+        model = _Wide()
+        scaler = LossScaler(model, "adaptive")
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(4096, 64, generator=gen) * 20
+        y = torch.randint(0, 10, (4096,), generator=gen)
+        with device_scalars() if device_path else contextlib.nullcontext():
+            got = _gradients(model, scaler, x, y, torch.float16)
+        if wide:
+            assert all(row.weight_factor == 1.0 for row in scaler.layer_scales())
+        truth = _float32_gradients(model, x, y)
+        return {name: ((got[name] - truth[name]).abs().max() / truth[name].abs().max()).item()
+                for name in ("fc1.weight", "fc2.weight")}
+
+    kept, scaled = errors(True), errors(False)
+    # fc2's gy comes from the loss as it is: its gradient is only as far off as its own product rounds (2x nearer
+    # kept in float32 here); fc1's is set by the float16 input gradient it gets, either way (1% here)
+    assert kept["fc2.weight"] < scaled["fc2.weight"] / 1.5, (kept, scaled)
+    assert kept["fc1.weight"] <= scaled["fc1.weight"] * 1.05 and kept["fc1.weight"] < 2e-2, (kept, scaled)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_linear_weight_gradients_come_from_float32_products_with_no_weight_factor():
+    """On a GPU (what the CPU tests above emulate): cuBLAS's float32 output, eagerly and compiled."""
+    assert points.MM_OUT_DTYPE, "torch >= 2.8 on CUDA multiplies float16 into float32"
+    a = torch.randn(64, 4096, device="cuda").half() * 100
+    b = torch.randn(4096, 32, device="cuda").half() * 100
+    bound = 4096 * 2.0 ** -24 * a.double().abs().mm(b.double().abs())
+    for product in (points.float32_product, points.mm_float32):
+        assert product(a, b).dtype == torch.float32
+        assert ((product(a, b).double() - a.double().mm(b.double())).abs() <= bound).all()
+        compiled = torch.compile(product, fullgraph=True)  # what the compiled steps trace
+        assert ((compiled(a, b).double() - a.double().mm(b.double())).abs() <= bound).all()
+    torch.manual_seed(0)
+    model = _Wide().cuda()
+    scaler = LossScaler(model, "adaptive")
+    x, y = torch.randn(4096, 64, device="cuda") * 20, torch.randint(0, 10, (4096,), device="cuda")
+    got = _gradients(model, scaler, x, y, torch.float16)
+    truth = _float32_gradients(model, x, y)
+    assert all(row.weight_factor == 1.0 for row in scaler.layer_scales())
+    for name in ("fc1.weight", "fc2.weight"):
+        assert ((got[name] - truth[name]).abs().max() / truth[name].abs().max()).item() < 1e-2, name
