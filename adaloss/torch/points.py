@@ -154,14 +154,16 @@ class ScalePoint(nn.Module):
                 gw = None
                 if scaled_w:
                     gw = self.weight_grad(scaled if shared else multiply(gy, weight_factor), x, w_shape, w)
-            if needs_w and wide:  # s_w = 1: gy as it arrives, at scale A = A_w, summed and kept in float32
-                gw = self.float32_weight_grad(gy, x, w_shape)
-            if gw is not None:
+            gy_scale = execution.scale_arrays()[0][self.out_slot]  # A: the scale gy arrived with
+            if needs_w and wide:
+                # gy as it arrives, summed and kept in float32, divided by its own A (A_w = A, s_w = 1: never by
+                # a stored A * s_w, which a state restored from a CPU's steps could hold)
+                gw = divide_to(self.float32_weight_grad(gy, x, w_shape), gy_scale, torch.float32)
+            elif gw is not None:
                 if execution.mirror is not None:  # the device's copy of the same scale divides in one kernel
                     weight_scale = self.state.arrays["weight_scale"][self.index:self.index + 1]
                 gw = divide_to(gw, weight_scale, _accumulation(gw))
-            gb = divide_to(self.bias_grad(gy, _accumulation(gy)), execution.scale_arrays()[0][self.out_slot],
-                           _accumulation(gy)) if needs_b else None
+            gb = divide_to(self.bias_grad(gy, _accumulation(gy)), gy_scale, _accumulation(gy)) if needs_b else None
         if gx is not None and execution.recording:
             self._record(execution, gx)
         return gx, gw, gb

@@ -90,11 +90,10 @@ def point_forward(ctx: Any, point: ScalePoint, dtype: torch.dtype | None, x: tor
 
 
 def point_gradients(ctx: Any, gy: torch.Tensor, needs: tuple[bool, bool, bool], factor: torch.Tensor,
-                    weight_factor: torch.Tensor, weight_scale: torch.Tensor, bias_scale: torch.Tensor) -> tuple:
+                    weight_factor: torch.Tensor, weight_scale: torch.Tensor, gy_scale: torch.Tensor) -> tuple:
     """(gx, gW, gb) of a static scale point (None where not needed): gx from ``factor`` * gy, gW from
-    ``weight_factor`` * gy (from gy itself where the point's weight product returns float32: ``weight_factor`` is 1
-    there) divided by ``weight_scale``, gb divided by ``bias_scale`` (gy's own scale), as the eager point computes
-    them."""
+    ``weight_factor`` * gy divided by ``weight_scale`` (where the point's weight product returns float32: from gy
+    itself, divided by ``gy_scale``, gy's own), gb divided by ``gy_scale``, as the eager point computes them."""
     _, xc, wc, _ = ctx.saved_tensors
     point = ctx.point
     x_shape, w_shape = ctx.shapes
@@ -104,12 +103,13 @@ def point_gradients(ctx: Any, gy: torch.Tensor, needs: tuple[bool, bool, bool], 
         if needs[0]:
             gx = point.input_grad(times(gy, factor), xc, x_shape, wc).to(x_dtype)
         if needs[1]:
-            product = (point.float32_weight_grad(gy, xc, w_shape) if point.weight_in_float32(gy)
-                       else point.weight_grad(times(gy, weight_factor), xc, w_shape, wc))
-            gw = divide_to(product, weight_scale, w_dtype)
+            if point.weight_in_float32(gy):
+                gw = divide_to(point.float32_weight_grad(gy, xc, w_shape), gy_scale, w_dtype)
+            else:
+                gw = divide_to(point.weight_grad(times(gy, weight_factor), xc, w_shape, wc), weight_scale, w_dtype)
         if needs[2]:
             accumulation = torch.promote_types(gy.dtype, torch.float32)
-            gb = divide_to(point.bias_grad(gy, accumulation), bias_scale, b_dtype)
+            gb = divide_to(point.bias_grad(gy, accumulation), gy_scale, b_dtype)
     return gx, gw, gb
 
 

@@ -140,3 +140,34 @@ def test_cuda_linear_weight_gradients_come_from_float32_products_with_no_weight_
     assert all(row.weight_factor == 1.0 for row in scaler.layer_scales())
     for name in ("fc1.weight", "fc2.weight"):
         assert ((got[name] - truth[name]).abs().max() / truth[name].abs().max()).item() < 1e-2, name
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-factors", "device-factors"])
+def test_a_weight_gradient_kept_in_float32_is_divided_by_its_own_scale_not_a_stored_weight_scale(
+        float32_products, device_path):
+    """A step between refreshes must not depend on a stored weight factor or scale (a state restored from a CPU's
+    steps, or any other path, could hold one that is not 1): the gradient is the same with them corrupted."""
+    def second_step_gradients(corrupt: bool) -> dict:
+        torch.manual_seed(0)
+        model = _Wide()
+        scaler = LossScaler(model, "adaptive", update_per_n_iteration=2)
+        gen = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(256, 64, generator=gen) * 20, torch.randint(0, 10, (256,), generator=gen))
+                   for _ in range(2)]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with device_scalars() if device_path else contextlib.nullcontext():
+            _gradients(model, scaler, *batches[0], torch.float16)  # a refresh
+            scaler.step(optimizer)
+            scaler.update()
+            scaler.state.settle()
+            if corrupt:
+                scaler.state.arrays["weight_factor"][:2] *= 8
+                scaler.state.arrays["weight_scale"][:2] *= 8
+            grads = _gradients(model, scaler, *batches[1], torch.float16)  # a step between refreshes
+            assert scaler.state.reuse and not scaler.state.refresh
+            return grads
+
+    kept, corrupted = second_step_gradients(False), second_step_gradients(True)
+    for name in ("fc1.weight", "fc2.weight"):
+        torch.testing.assert_close(corrupted[name], kept[name], rtol=0, atol=0, msg=name)
