@@ -4,9 +4,10 @@ A scale point computes y = op(x, W, b) in the compute dtype (casting its operand
 backward, gets two factors from the core: s for the input gradient gx = op_x(s * gy, W) and s_w for the weight
 gradient dW = op_w(s_w * gy, x). Each is the largest the method allows without overflow, so the weight gradient, which
 sums over the whole batch, no longer forces the input gradient down with it. Where the weight gradient's product
-returns float32 (a Linear layer on CUDA, :func:`float32_product`), it needs no factor of its own: dW = op_w(gy, x) in
-float32, s_w = 1, and no scaled copy of gy is made for it. The weight and bias gradients leave backward divided by
-their scales, in float32. Each kind below supplies the three products and its statistics axes:
+returns float32 (a Linear layer's or a matrix product's on CUDA, :func:`float32_product`), it needs no factor of its
+own: dW = op_w(gy, x) in float32, s_w = 1, and no scaled copy of gy is made for it. The weight and bias gradients
+leave backward divided by their scales, in float32. Each kind below supplies the three products and its statistics
+axes:
 
 - :class:`LinearPoint`: ``F.linear(x, W, b)``, W (out, in);
 - :class:`ConvPoint`: ``torch.conv{1,2,3}d`` and ``torch.conv_transpose{1,2,3}d`` through ``aten.convolution``;
@@ -338,6 +339,15 @@ def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return mm_float32(a, b)
 
 
+def _float32_weight_products(state: ScaleState, gy: torch.Tensor) -> bool:
+    """Whether a matrix product's weight gradient for ``gy`` comes from :func:`float32_product` (see
+    :meth:`ScalePoint.weight_in_float32`): a low-precision gy on CUDA (or on a CPU inside
+    :func:`float32_weight_products_on_cpu`), where the weight gradient would get a factor of its own."""
+    options = state.options
+    return (MM_OUT_DTYPE and gy.dtype in _LOW_PRECISION and options is not None and options.exact_bounds
+            and (gy.device.type == "cuda" or (gy.device.type == "cpu" and _FLOAT32_WEIGHT_PRODUCTS_ON_CPU)))
+
+
 class LinearPoint(ScalePoint):
     """``F.linear(x, W, b)`` with W (out, in) and x (..., in)."""
 
@@ -357,9 +367,7 @@ class LinearPoint(ScalePoint):
         return _mm(gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1]), alpha)
 
     def weight_in_float32(self, gy: torch.Tensor) -> bool:
-        options = self.state.options
-        return (MM_OUT_DTYPE and gy.dtype in _LOW_PRECISION and options is not None and options.exact_bounds
-                and (gy.device.type == "cuda" or (gy.device.type == "cpu" and _FLOAT32_WEIGHT_PRODUCTS_ON_CPU)))
+        return _float32_weight_products(self.state, gy)
 
     def float32_weight_grad(self, gy, x, w_shape):
         return float32_product(gy.reshape(-1, w_shape[0]).t(), x.reshape(-1, w_shape[1]))
@@ -429,11 +437,21 @@ class MatmulPoint(ScalePoint):
         return (w.t() @ gy).reshape(x_shape)
 
     def weight_grad(self, gy, x, w_shape, w):
+        return self._weight_product(gy, x, w_shape, lambda a, b: a @ b, torch.outer)
+
+    def weight_in_float32(self, gy: torch.Tensor) -> bool:
+        return _float32_weight_products(self.state, gy)
+
+    def float32_weight_grad(self, gy, x, w_shape):
+        return self._weight_product(gy, x, w_shape, float32_product, lambda a, b: torch.outer(a.float(), b.float()))
+
+    def _weight_product(self, gy, x, w_shape, product, outer):
+        """The weight gradient as one product of two matrices (``product``), or ``outer`` for a vector x."""
         if self.right:
-            return x.reshape(-1, w_shape[0]).t() @ gy.reshape(-1, w_shape[1])
+            return product(x.reshape(-1, w_shape[0]).t(), gy.reshape(-1, w_shape[1]))
         if x.ndim == 1:
-            return torch.outer(gy, x)
-        return gy.movedim(-2, 0).reshape(w_shape[0], -1) @ x.movedim(-2, 0).reshape(w_shape[1], -1).t()
+            return outer(gy, x)
+        return product(gy.movedim(-2, 0).reshape(w_shape[0], -1), x.movedim(-2, 0).reshape(w_shape[1], -1).t())
 
     def bias_grad(self, gy, dtype):
         raise RuntimeError("a matmul point has no bias")

@@ -171,3 +171,43 @@ def test_a_weight_gradient_kept_in_float32_is_divided_by_its_own_scale_not_a_sto
     kept, corrupted = second_step_gradients(False), second_step_gradients(True)
     for name in ("fc1.weight", "fc2.weight"):
         torch.testing.assert_close(corrupted[name], kept[name], rtol=0, atol=0, msg=name)
+
+
+class _Products(nn.Module):
+    """A parameter on either side of a matrix product, and on the left of a vector: every kind of matmul point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.right = nn.Parameter(torch.randn(16, 32) * 0.2)  # x @ W
+        self.left = nn.Parameter(torch.randn(24, 8) * 0.2)  # W @ x
+        self.head = nn.Parameter(torch.randn(10, 24) * 0.2)  # W @ x, x a matrix
+        self.vector = nn.Parameter(torch.randn(10, 24) * 0.2)  # W @ v
+
+    def forward(self, x):
+        h = torch.relu(x @ self.right)  # (B, 8, 32)
+        h = torch.relu(self.left @ h.transpose(1, 2)[:, :8]).mean(-1)  # (B, 24)
+        out = (self.head @ h.t()).t()  # (B, 10)
+        return torch.cat([out[:1] + self.vector @ h[0], out[1:]])  # (a sum over the batch would overflow float16)
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+def test_matrix_products_with_a_parameter_take_the_float32_weight_products_too(monkeypatch):
+    def run(wide: bool):
+        monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", wide)
+        torch.manual_seed(0)
+        model = _Products()
+        scaler = LossScaler(model, "adaptive")
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 8, 16, generator=gen) * 10, torch.randint(0, 10, (64,), generator=gen)
+        with device_scalars():
+            got = _gradients(model, scaler, x, y, torch.float16)
+        kinds = {row.layer: row.weight_factor for row in scaler.layer_scales()}
+        return got, kinds, _float32_gradients(model, x, y)
+
+    (kept, kinds, truth), (scaled, scaled_kinds, _) = run(True), run(False)
+    assert len(kinds) == 4 and all(factor == 1.0 for factor in kinds.values())
+    assert any(factor != 1.0 for factor in scaled_kinds.values())  # (a test of something)
+    for name in ("right", "left", "head", "vector"):
+        off = ((kept[name] - truth[name]).abs().max() / truth[name].abs().max()).item()
+        before = ((scaled[name] - truth[name]).abs().max() / truth[name].abs().max()).item()
+        assert off < 1e-2 and off <= before * 1.05 + 1e-4, (name, off, before)
