@@ -68,6 +68,22 @@ def test_an_adaptive_gpt_step_on_the_device_path_reads_the_device_once():
     assert counts["host_reads"] == 1 and counts["launches"] > 0 and counts["generated"] == 0
 
 
+def test_the_launch_count_takes_a_float32_weight_product_as_the_one_gemm_cuda_runs():
+    """A CPU widens both float16 operands before its float32 GEMM; CUDA runs one GEMM of the float16 operands: the
+    proxy counts that one launch and those operands' bytes, not the CPU's casts."""
+    import torch
+
+    from adaloss.torch import points
+    from benchmarks.launches import count_step
+
+    if not points.MM_OUT_DTYPE:
+        pytest.skip("torch < 2.8: no float32 output for float16 products")
+    a, b = torch.ones(32, 64, dtype=torch.float16), torch.ones(64, 16, dtype=torch.float16)
+    counts = count_step(lambda: points.float32_product(a, b))
+    assert counts["launches"] == 1 and dict(counts["top"]) == {"mm_float32": 1}
+    assert counts["bytes"] == (32 * 64 + 64 * 16) * 2
+
+
 def test_compiled_variants_build_compiled_scalers_and_report_their_compiled_steps():
     """What each compiled variant runs (no step is taken: compiling costs the suite's time; the compiled steps
     themselves are tested in test_compiled_steps.py)."""
