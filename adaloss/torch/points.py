@@ -394,6 +394,10 @@ class ConvPoint(ScalePoint):
         self.kind = ("ConvTranspose" if transposed else "Conv") + f"{dims}d"
         super().__init__(state, name, fan, axes, 1)
         self.options = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
+        #: A 1x1 convolution (no padding, one group): a matrix product of its channels at each position read, so its
+        #: weight gradient can be one float32 product too (:meth:`float32_weight_grad`).
+        self.pointwise = (not transposed and groups == 1 and all(k == 1 for k in kernel)
+                          and all(p == 0 for p in padding))
 
     def compute(self, x, w, b):
         return torch.ops.aten.convolution(x, w, b, *self.options)
@@ -408,6 +412,20 @@ class ConvPoint(ScalePoint):
 
     def weight_grad(self, gy, x, w_shape, w):
         return self._backward(gy, x, w, [False, True, False])[1]
+
+    def weight_in_float32(self, gy: torch.Tensor) -> bool:
+        return self.pointwise and _float32_weight_products(self.state, gy)
+
+    def float32_weight_grad(self, gy, x, w_shape):
+        """A 1x1 convolution's: gy's channels against those of the input positions it read (every ``stride``-th),
+        summed over the batch and the positions, as one product (channels-last operands, a convolution's usual
+        layout on a GPU, are viewed as matrices with no copy)."""
+        stride = self.options[0]
+        if any(step != 1 for step in stride):
+            x = x[(slice(None), slice(None), *(slice(None, None, step) for step in stride))]
+        gy_rows = gy.movedim(1, -1).reshape(-1, w_shape[0])
+        x_rows = x.movedim(1, -1).reshape(-1, w_shape[1])
+        return float32_product(gy_rows.t(), x_rows).reshape(w_shape)
 
     def bias_grad(self, gy, dtype):
         return gy.sum(dim=[0, *range(2, gy.ndim)], dtype=dtype)

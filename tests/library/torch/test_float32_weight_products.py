@@ -1,5 +1,5 @@
-"""A Linear layer's weight gradient from a product that returns float32 (cuBLAS's ``out_dtype``, on CUDA): no weight
-factor, no scaled copy of gy for it, no statistics of the layer input, and the gradient at least as near the float32
+"""A Linear layer's (and a matrix product's, and a 1x1 convolution's) weight gradient from a product that returns
+float32 (cuBLAS's ``out_dtype``, on CUDA): no weight factor, no scaled copy of gy for it, no statistics of the layer input, and the gradient at least as near the float32
 one. On a CPU the tests take the same path through ``points._FLOAT32_WEIGHT_PRODUCTS_ON_CPU``, where
 :func:`~adaloss.torch.points.mm_float32` widens both operands (the same products, summed in float32)."""
 
@@ -48,8 +48,15 @@ def test_only_a_low_precision_linear_gradient_on_cuda_takes_the_float32_product_
     monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
     assert linear.weight_in_float32(half) == points.MM_OUT_DTYPE
     assert not linear.weight_in_float32(single)  # float32 training: nothing to widen
-    conv = points.ConvPoint(state, "conv", torch.empty(3, 2, 3, 3), [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
-    assert not conv.weight_in_float32(half)  # no convolution returns a wider dtype
+    def conv(shape, padding=(0, 0), transposed=False, groups=1):
+        return points.ConvPoint(state, "conv", torch.empty(shape), [1, 1], list(padding), [1, 1], transposed,
+                                [0, 0], groups)
+
+    assert conv((3, 2, 1, 1)).weight_in_float32(half) == points.MM_OUT_DTYPE  # a 1x1 convolution is a product
+    assert not conv((3, 2, 3, 3)).weight_in_float32(half)  # no other convolution returns a wider dtype
+    assert not conv((3, 2, 1, 1), padding=(1, 1)).weight_in_float32(half)
+    assert not conv((4, 1, 1, 1), groups=2).weight_in_float32(half)
+    assert not conv((2, 3, 1, 1), transposed=True).weight_in_float32(half)
     paper = LossScaler(nn.Linear(2, 2), "adaptive", exact_bounds=False).state  # the paper's shared factor
     assert not points.LinearPoint(paper, "fc", torch.empty(3, 2)).weight_in_float32(half)
 
@@ -211,3 +218,105 @@ def test_matrix_products_with_a_parameter_take_the_float32_weight_products_too(m
         off = ((kept[name] - truth[name]).abs().max() / truth[name].abs().max()).item()
         before = ((scaled[name] - truth[name]).abs().max() / truth[name].abs().max()).item()
         assert off < 1e-2 and off <= before * 1.05 + 1e-4, (name, off, before)
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+@pytest.mark.parametrize("dims, stride", [(2, 1), (2, 2), (1, 3), (3, 2)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_a_1x1_convolution_s_weight_gradient_is_one_float32_product(monkeypatch, dims, stride, channels_last):
+    """gy's channels against those of every input position the convolution read (each ``stride``-th), summed over
+    the batch and the positions: within float32's rounding of the sum of the exact float16 products, in any layout
+    (channels-last, a convolution's usual one on a GPU, and contiguous), where float16's own product overflows."""
+    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
+    state = LossScaler(nn.Linear(2, 2), "adaptive").state
+    gen = torch.Generator().manual_seed(0)
+    size = (7, 9, 5)[:dims]
+    x = (torch.randn(6, 24, *size, generator=gen) * 100).half()
+    w_shape = torch.Size((16, 24) + (1,) * dims)
+    conv = points.ConvPoint(state, "conv", torch.empty(w_shape), [stride] * dims, [0] * dims, [1] * dims, False,
+                            [0] * dims, 1)
+    out = torch.ops.aten.convolution(x.double(), torch.zeros(w_shape, dtype=torch.double), None,
+                                     *conv.options).shape
+    gy = (torch.randn(out, generator=gen) * 100).half()
+    if channels_last and dims == 2:
+        x, gy = x.to(memory_format=torch.channels_last), gy.to(memory_format=torch.channels_last)
+    assert conv.weight_in_float32(gy)
+    got = conv.float32_weight_grad(gy, x, w_shape)
+    assert got.dtype == torch.float32 and got.shape == w_shape
+
+    def weight_grad(a, b):
+        return torch.ops.aten.convolution_backward(a, b, torch.zeros(w_shape, dtype=torch.double), None,
+                                                   *conv.options, [False, True, False])[1]
+
+    exact = weight_grad(gy.double(), x.double())
+    terms = gy.shape[0] * math.prod(gy.shape[2:])
+    bound = terms * 2.0 ** -24 * weight_grad(gy.double().abs(), x.double().abs())
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert exact.abs().max() > torch.finfo(torch.float16).max and torch.isfinite(got).all()  # beyond float16
+
+
+class _Bottleneck(nn.Module):
+    """A 3x3 convolution, then 1x1 ones (one of stride 2, with a bias) around a batch norm: what a ResNet-50's
+    bottleneck blocks are made of."""
+
+    #: What a compiled step between refreshes applies (see test_compiled_steps._Net): 4 per scale point (4), one
+    #: for the batch norm's parameters, the output point's and the input point's.
+    coefficients = 4 * 4 + 1 + 1 + 1
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.reduce = nn.Conv2d(width, width // 2, 1, bias=False)
+        self.norm = nn.BatchNorm2d(width // 2)
+        self.expand = nn.Conv2d(width // 2, width, 1, stride=2)
+        self.fc = nn.Linear(width, 10)
+
+    def forward(self, x):
+        h = self.reduce(F.relu(self.stem(x)))
+        h = self.expand(F.relu(self.norm(h)))
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+def test_compiled_steps_give_the_eager_gradients_with_1x1_convolutions_on_float32_products(monkeypatch):
+    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
+    calls = []
+    product = points.ConvPoint.float32_weight_grad
+
+    def counted(self, gy, x, w_shape):
+        calls.append(self.name)
+        return product(self, gy, x, w_shape)
+
+    monkeypatch.setattr(points.ConvPoint, "float32_weight_grad", counted)
+    with device_scalars():
+        scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, net=_Bottleneck, forbid_reads=True)
+    assert {"reduce", "expand"} <= set(calls) and "stem" not in calls
+    state = scaler.state
+    layers = {row.layer: row for row in scaler.layer_scales()}
+    for name in ("reduce", "expand", "fc"):  # a float32 product: no weight factor, no statistics of the input
+        assert layers[name].weight_factor == 1.0, name
+        assert math.isinf(state.arrays["weight_unbound"][state.names.index(name)]), name
+    assert math.isfinite(state.arrays["weight_unbound"][state.names.index("stem")])  # a 3x3 keeps its own
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, None], ids=["eager", "default"])
+def test_cuda_1x1_convolutions_take_float32_products_in_either_layout(compile):
+    """On a GPU, eagerly and with the default (compiled) steps: channels-last (viewed as rows) and contiguous
+    (copied into rows) 1x1 convolutions get no weight factor, and gradients near the float32 ones."""
+    for channels_last in (True, False):
+        torch.manual_seed(0)
+        model = _Bottleneck(width=32).cuda()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        scaler = LossScaler(model, "adaptive", compile=compile)
+        gen = torch.Generator().manual_seed(1)
+        x = (torch.randn(64, 1, 16, 16, generator=gen) * 10).cuda()
+        y = torch.randint(0, 10, (64,), generator=gen).cuda()
+        got = _gradients(model, scaler, x, y, torch.float16)
+        truth = _float32_gradients(model, x, y)
+        layers = {row.layer: row.weight_factor for row in scaler.layer_scales()}
+        assert layers["reduce"] == layers["expand"] == 1.0, layers
+        for name in ("reduce.weight", "expand.weight", "stem.weight"):
+            assert ((got[name] - truth[name]).abs().max() / truth[name].abs().max()).item() < 2e-2, name
