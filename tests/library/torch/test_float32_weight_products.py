@@ -26,18 +26,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def float32_products(monkeypatch):
-    """The float32 weight products on this CPU, with every call of them counted."""
+    """The float32 weight products on this CPU, with every call of them (a Linear layer's or a convolution's) counted
+    by the point's name."""
     monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
     assert points.cpu_takes_float32_weight_products()
     calls = []
-    product = points.LinearPoint.float32_weight_grad
+    for kind in (points.LinearPoint, points.ConvPoint):
+        monkeypatch.setattr(kind, "float32_weight_grad", _counted(kind.float32_weight_grad, calls))
+    return calls
 
+
+def _counted(product, calls: list):
     def counted(self, gy, x, w_shape):
         calls.append(self.name)
         return product(self, gy, x, w_shape)
 
-    monkeypatch.setattr(points.LinearPoint, "float32_weight_grad", counted)
-    return calls
+    return counted
 
 
 def test_only_a_low_precision_linear_gradient_on_cuda_takes_the_float32_product_unless_a_test_asks(monkeypatch):
@@ -278,19 +282,10 @@ class _Bottleneck(nn.Module):
 
 
 @pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
-def test_compiled_steps_give_the_eager_gradients_with_1x1_convolutions_on_float32_products(monkeypatch):
-    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
-    calls = []
-    product = points.ConvPoint.float32_weight_grad
-
-    def counted(self, gy, x, w_shape):
-        calls.append(self.name)
-        return product(self, gy, x, w_shape)
-
-    monkeypatch.setattr(points.ConvPoint, "float32_weight_grad", counted)
+def test_compiled_steps_give_the_eager_gradients_with_1x1_convolutions_on_float32_products(float32_products):
     with device_scalars():
         scaler = _compare_with_eager("cpu", torch.float16, rtol=1e-2, net=_Bottleneck, forbid_reads=True)
-    assert {"reduce", "expand"} <= set(calls) and "stem" not in calls
+    assert {"reduce", "expand", "fc"} <= set(float32_products) and "stem" not in float32_products
     state = scaler.state
     layers = {row.layer: row for row in scaler.layer_scales()}
     for name in ("reduce", "expand", "fc"):  # a float32 product: no weight factor, no statistics of the input
