@@ -21,7 +21,7 @@ to combo kernels, which Inductor otherwise forms on GPUs only (as the compiled s
 rather than inlining it into its users (a CPU's are larger), and 0-d tensors kept as buffers that kernels load and
 store, as a GPU's device tensors are (Inductor passes a 0-d CPU tensor to a Triton kernel as a number, meant for
 the CPU scalars of a CUDA graph, and a kernel that reuses one's memory for its output could not store to it). Kernel *launches* are counted (a kernel run twice
-counts twice), per step. Linear scale points take the float32 weight products that CUDA takes
+counts twice), per step. Linear and 1x1 convolution scale points take the float32 weight products that CUDA takes
 (``adaloss.torch.points.float32_weight_products_on_cpu``): one library call each, as there. The interpreter
 cannot run a cooperative kernel (its thread blocks wait for each other at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 

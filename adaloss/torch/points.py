@@ -4,10 +4,10 @@ A scale point computes y = op(x, W, b) in the compute dtype (casting its operand
 backward, gets two factors from the core: s for the input gradient gx = op_x(s * gy, W) and s_w for the weight
 gradient dW = op_w(s_w * gy, x). Each is the largest the method allows without overflow, so the weight gradient, which
 sums over the whole batch, no longer forces the input gradient down with it. Where the weight gradient's product
-returns float32 (a Linear layer's or a matrix product's on CUDA, :func:`float32_product`), it needs no factor of its
-own: dW = op_w(gy, x) in float32, s_w = 1, and no scaled copy of gy is made for it. The weight and bias gradients
-leave backward divided by their scales, in float32. Each kind below supplies the three products and its statistics
-axes:
+returns float32 (on CUDA a Linear layer's, a matrix product's or a 1x1 convolution's, :func:`float32_product`),
+it needs no factor of its own: dW = op_w(gy, x) in float32, s_w = 1, and no scaled copy of gy is made for it. The
+weight and bias gradients leave backward divided by their scales, in float32. Each kind below supplies the three
+products and its statistics axes:
 
 - :class:`LinearPoint`: ``F.linear(x, W, b)``, W (out, in);
 - :class:`ConvPoint`: ``torch.conv{1,2,3}d`` and ``torch.conv_transpose{1,2,3}d`` through ``aten.convolution``;
