@@ -396,7 +396,7 @@ class ConvPoint(ScalePoint):
         self.options = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
         #: A 1x1 convolution (no padding, one group): a matrix product of its channels at each position read, so its
         #: weight gradient can be one float32 product too (:meth:`float32_weight_grad`).
-        self.pointwise = (not transposed and groups == 1 and all(k == 1 for k in kernel)
+        self.kernel_1x1 = (not transposed and groups == 1 and all(k == 1 for k in kernel)
                           and all(p == 0 for p in padding))
 
     def compute(self, x, w, b):
@@ -414,7 +414,7 @@ class ConvPoint(ScalePoint):
         return self._backward(gy, x, w, [False, True, False])[1]
 
     def weight_in_float32(self, gy: torch.Tensor) -> bool:
-        return self.pointwise and _float32_weight_products(self.state, gy)
+        return self.kernel_1x1 and _float32_weight_products(self.state, gy)
 
     def float32_weight_grad(self, gy, x, w_shape):
         """A 1x1 convolution's: gy's channels against those of the input positions it read (every ``stride``-th),
