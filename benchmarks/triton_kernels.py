@@ -22,7 +22,8 @@ rather than inlining it into its users (a CPU's are larger), and 0-d tensors kep
 store, as a GPU's device tensors are (Inductor passes a 0-d CPU tensor to a Triton kernel as a number, meant for
 the CPU scalars of a CUDA graph, and a kernel that reuses one's memory for its output could not store to it). Kernel *launches* are counted (a kernel run twice
 counts twice), per step. Linear and 1x1 convolution scale points take the float32 weight products that CUDA takes
-(``adaloss.torch.points.float32_weight_products_on_cpu``): one library call each, as there. The interpreter
+(``adaloss.torch.points.float32_weight_products_on_cpu``): one library call each, lowered as CUDA's ``mm`` with
+``out_dtype`` is, its operands in the layouts Inductor chooses (:func:`_float32_products_lowered_as_on_cuda`). The interpreter
 cannot run a cooperative kernel (its thread blocks wait for each other at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
@@ -230,7 +231,8 @@ def count_kernels(model: str, variants: list[str], quick: bool = True, keep_mode
         _forget_generated_kernels()  # each variant generates (and times) all its kernels, as a fresh process does
         compiler_before = _compiler_seconds()
         with config.patch({**_gpu_thresholds(config), "cpu_backend": "triton", "fx_graph_cache": False}), \
-                _library_products_zeroed(not _RUN_KERNELS[0]), float32_weight_products_on_cpu():
+                _float32_products_lowered_as_on_cuda(), _library_products_zeroed(not _RUN_KERNELS[0]), \
+                float32_weight_products_on_cpu():
             runner = Runner(name, copy.deepcopy(initial), "float16", "cpu")
             counts, megabytes, kinds = [], [], []
             _LAUNCHED.clear()
@@ -276,7 +278,8 @@ def _forget_generated_kernels() -> None:
 @contextlib.contextmanager
 def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
     """While ``zeroed``: the products and convolutions a compiled graph hands to a library (``extern_kernels.mm``,
-    ``addmm``, ``bmm``, ``baddbmm``, ``bias_addmm``, ``convolution``; the CPU's ``convolution_backward``) and CPU
+    ``addmm``, ``bmm``, ``baddbmm``, ``bias_addmm``, ``convolution``, the float32 weight products as
+    :func:`_float32_products_lowered_as_on_cuda` lowers them; the CPU's ``convolution_backward``) and CPU
     attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) give zeros of the shapes, strides
     and dtypes their fake-tensor functions give (those Inductor compiled against), instead of computing them. For
     counts whose Triton kernels are not run either, where the values no longer matter: on a CPU a float16 product
@@ -302,7 +305,7 @@ def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
             return tree_map(_zeros_like, shapes)
         return zeros
 
-    names = ("mm", "addmm", "bmm", "baddbmm", "bias_addmm", "convolution")
+    names = ("mm", "addmm", "bmm", "baddbmm", "bias_addmm", "convolution", _MM_FLOAT32_KERNEL)
     products = {name: getattr(extern_kernels, name) for name in names if hasattr(extern_kernels, name)}
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
@@ -318,6 +321,54 @@ def _library_products_zeroed(zeroed: bool) -> Iterator[None]:
         for name, real in products.items():
             setattr(extern_kernels, name, real)
         library._destroy()
+
+
+def _mm_float32_out(a: Any, b: Any, *, out: Any) -> Any:
+    """The CPU's float32 product of two float16 matrices, into ``out``: the kernel the lowering of
+    :func:`_float32_products_lowered_as_on_cuda` calls."""
+    import torch
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+#: The extern kernel choice of :func:`_float32_products_lowered_as_on_cuda` (Inductor registers each name once),
+#: and its name in Inductor's ``extern_kernels``.
+_MM_FLOAT32_CHOICE: list[Any] = []
+_MM_FLOAT32_KERNEL = "adaloss_mm_float32_counted"
+
+
+@contextlib.contextmanager
+def _float32_products_lowered_as_on_cuda() -> Iterator[None]:
+    """While counting, Inductor lowers ``adaloss::mm_float32`` (the CPU's float32 weight product) as it lowers CUDA's
+    ``torch.mm(..., out_dtype=torch.float32)``: a library GEMM whose operands keep the layouts Inductor chooses for
+    them (its ``mm`` lowering realizes them as they are), where a custom operator's are fixed to the strides they
+    were traced with, which makes Inductor copy some operands and keeps their producers from fusing with other
+    consumers. Undone on leaving."""
+    import torch
+    from torch._inductor.kernel.mm_common import mm_args
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    op = getattr(getattr(torch.ops, "adaloss", None), "mm_float32", None)
+    if op is None:  # (torch < 2.8: no float32 weight products)
+        yield
+        return
+    if not _MM_FLOAT32_CHOICE:
+        _MM_FLOAT32_CHOICE.append(ExternKernelChoice(_mm_float32_out, name=_MM_FLOAT32_KERNEL))
+    choice = _MM_FLOAT32_CHOICE[0]
+
+    def lowering(a: Any, b: Any) -> Any:
+        *_, layout, a, b = mm_args(a, b, out_dtype=torch.float32)
+        return choice.bind((a, b), layout).output_node()
+
+    saved = lowerings.get(op.default)
+    lowerings[op.default] = lowering
+    try:
+        yield
+    finally:
+        if saved is None:
+            lowerings.pop(op.default, None)
+        else:
+            lowerings[op.default] = saved
 
 
 def _zeros_like(value: Any) -> Any:

@@ -556,6 +556,46 @@ def test_a_count_that_runs_no_kernel_zeroes_the_library_products_only_while_it_c
 
 
 @pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
+def test_the_triton_proxy_lowers_a_float32_weight_product_as_cuda_lowers_mm_with_out_dtype():
+    """While counting, the CPU's float32 product (a custom operator, whose operands Inductor would pass in their
+    traced strides, copying some) is lowered as CUDA's ``mm`` with ``out_dtype`` is: a library GEMM called on the
+    layouts Inductor chose, here a transposed operand as it is, with the same values; outside the count, the
+    operator as it is."""
+    script = """
+import json
+import torch
+from torch._inductor import config
+from torch._inductor.utils import run_and_get_code
+from adaloss.torch import points
+from benchmarks import triton_kernels
+triton_kernels._prepare_interpreter()
+gen = torch.Generator().manual_seed(0)
+a, b = torch.randn(8, 16, generator=gen).half(), torch.randn(8, 4, generator=gen).half()
+def product(a, b):
+    return points.mm_float32((a * 2).t(), b) / 4
+found = {}
+with config.patch(cpu_backend="triton", fx_graph_cache=False):
+    for label, lowered in (("counted", True), ("plain", False)):
+        torch._dynamo.reset()
+        with triton_kernels._float32_products_lowered_as_on_cuda() if lowered else contextlib.nullcontext():
+            out, codes = run_and_get_code(torch.compile(product), a, b)
+        code = "\\n".join(codes)
+        exact = torch.equal(out, (a.float() * 2).t() @ b.float() / 4)
+        found[label] = {"extern": "adaloss_mm_float32_counted" in code, "operator": "torch.ops.adaloss.mm_float32.default(" in code,
+                        "exact": bool(exact), "dtype": str(out.dtype)}
+print(json.dumps(found))
+""".replace("import json", "import contextlib, json")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    counted, plain = found["counted"], found["plain"]
+    assert counted["extern"] and not counted["operator"] and counted["exact"] and counted["dtype"] == "torch.float32"
+    assert plain["operator"] and not plain["extern"] and plain["exact"]
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
 def test_the_gpu_compile_proxy_compiles_every_config_of_every_kernel_launched_for_an_h100():
     """``--compile-for-gpu``: each Triton config of each kernel a compiled step launched is compiled for an
     H100/H200 (sm_90) on this CPU, once, in worker processes that do not interpret (a binary, not Triton's
