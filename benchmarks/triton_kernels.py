@@ -23,8 +23,8 @@ store, as a GPU's device tensors are (Inductor passes a 0-d CPU tensor to a Trit
 the CPU scalars of a CUDA graph, and a kernel that reuses one's memory for its output could not store to it). Kernel *launches* are counted (a kernel run twice
 counts twice), per step. Linear and 1x1 convolution scale points take the float32 weight products that CUDA takes
 (``adaloss.torch.points.float32_weight_products_on_cpu``): one library call each, lowered as CUDA's ``mm`` with
-``out_dtype`` is, its operands in the layouts Inductor chooses (:func:`_float32_products_lowered_as_on_cuda`). The interpreter
-cannot run a cooperative kernel (its thread blocks wait for each other at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
+``out_dtype`` is, its operands in the layouts Inductor chooses (:func:`_float32_products_lowered_as_on_cuda`). The
+interpreter cannot run a cooperative kernel (its thread blocks wait for each other at a grid barrier), so the cooperative variants are always counted as ``--gpu-shape`` counts, without running.
 
 ``--gpu-shape`` generates the kernels of the CUDA benchmark's model shape (the nanoGPT's 6 blocks of width 384 at 256
 tokens) but does not run them, which the interpreter could not do in reasonable time: each launch is counted and
