@@ -425,6 +425,16 @@ def _triton_available() -> bool:
     return triton_available()
 
 
+def _interpreted(script: str) -> dict:
+    """What ``script`` prints last, as JSON, run in a process whose Triton interprets its kernels (Triton reads
+    ``TRITON_INTERPRET`` when it loads, so the setting needs a process of its own)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
 def test_triton_kernel_proxy_counts_the_launches_that_combo_kernels_save():
     """The GPU-cost proxy of compiled steps: Inductor's Triton kernels, run by Triton's interpreter on CPU. A
@@ -450,11 +460,7 @@ found["not_run"] = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"]
     "adaptive-100-compiled"]
 print(json.dumps(found))
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # Triton reads it when it loads
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _interpreted(script)
     combo, plain = found["combo"], found["plain"]
     assert combo["refresh"] > combo["steady"] > 0
     # By kind: every launch counted once; what a refresh adds to a step between refreshes is its statistics,
@@ -562,7 +568,7 @@ def test_the_triton_proxy_lowers_a_float32_weight_product_as_cuda_lowers_mm_with
     layouts Inductor chose, here a transposed operand as it is, with the same values; outside the count, the
     operator as it is."""
     script = """
-import json
+import contextlib, json
 import torch
 from torch._inductor import config
 from torch._inductor.utils import run_and_get_code
@@ -581,15 +587,11 @@ with config.patch(cpu_backend="triton", fx_graph_cache=False):
             out, codes = run_and_get_code(torch.compile(product), a, b)
         code = "\\n".join(codes)
         exact = torch.equal(out, (a.float() * 2).t() @ b.float() / 4)
-        found[label] = {"extern": "adaloss_mm_float32_counted" in code, "operator": "torch.ops.adaloss.mm_float32.default(" in code,
-                        "exact": bool(exact), "dtype": str(out.dtype)}
+        found[label] = {"extern": "adaloss_mm_float32_counted" in code, "exact": bool(exact), "dtype": str(out.dtype),
+                        "operator": "torch.ops.adaloss.mm_float32.default(" in code}
 print(json.dumps(found))
-""".replace("import json", "import contextlib, json")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+"""
+    found = _interpreted(script)
     counted, plain = found["counted"], found["plain"]
     assert counted["extern"] and not counted["operator"] and counted["exact"] and counted["dtype"] == "torch.float32"
     assert plain["operator"] and not plain["extern"] and plain["exact"]
@@ -609,11 +611,7 @@ seconds = triton_kernels.gpu_compile_seconds(found["kernel_files"], workers=1)
 print(json.dumps({"found": found, "seconds": seconds, "interpret": os.environ.get("TRITON_INTERPRET"),
                   "cache_kept": os.environ.get("TRITON_CACHE_DIR") == before}))
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _interpreted(script)
     found, seconds = result["found"], result["seconds"]
     assert sorted(seconds) == found["kernel_files"] and len(seconds) == found["distinct"] > 0
     assert sum(len(times) for times in seconds.values()) == found["configs"]
