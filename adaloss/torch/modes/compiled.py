@@ -29,7 +29,7 @@ from adaloss.torch.scale_state import GraphPlan, ScaleState
 from .base import ExecutionMode
 from .cache_keys import STATIC_CALL, cacheable_graph, source_digest, tracing_calls
 from .compiled_refresh import new_trace, refresh_call
-from .refresh_extremes import RefreshExtremes
+from .graph_passes import StepGraphPasses
 from .static_points import Layout, reuse_call, static_graph
 
 __all__ = ["CompiledMode", "CompiledSteps", "check_inductor_options"]
@@ -112,7 +112,10 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: refresh reduces of a gradient that only a cast, a product with one number or a concatenation separates from one
 #: reduced before are computed from those instead, and a peak of a layer norm's input gradient is reduced in the
 #: norm's own rows (``refresh_extremes.py``): a refresh of the nanoGPT at the GPU's shape launches 248 Triton
-#: kernels instead of 292 with the first (batch 8), 238 instead of 250 with the second (batch 64).
+#: kernels instead of 292 with the first (batch 8), 238 instead of 250 with the second (batch 64); and the weight
+#: gradients that library products make (cuBLAS, cuDNN) are divided by their scales in one foreach kernel after the
+#: backward instead of one kernel per layer (``gradient_quotients.py``): at the GPU's shape the nanoGPT's steps
+#: launch 23 kernels fewer at batch 64 (193 per refresh, 95 between refreshes), ResNet-50's 42 and 49 (451, 273).
 #: ``force_pointwise_cat``: a concatenation of computed parts (a join's scaled q, k and v gradients) is one
 #: element-wise kernel, which the products' scaled copies of the result fuse into, where Inductor's default writes
 #: each part apart: the nanoGPT's steps launch 6 kernels fewer, one per block, both kinds (242 per refresh, 98
@@ -121,7 +124,7 @@ def _compile_failed(kind: str, err: Exception) -> None:
 #: small ones): at the GPU's shape ResNet-50's adaptive-100 launches 508 per refresh (538 with 8) and 277 between
 #: refreshes (292), the nanoGPT's 223 and 93 (242 and 98), for 6-13% more of Inductor's compile time on ResNet-50.
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": 32,
-                                    "force_pointwise_cat": True, "post_grad_custom_pre_pass": RefreshExtremes()}
+                                    "force_pointwise_cat": True, "post_grad_custom_pre_pass": StepGraphPasses()}
 
 
 def check_inductor_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 A refresh reduces the extremes (min and max, whose larger magnitude is the peak, ``abs_max_value``) of most
 gradients it meets. On a GPU each reduction of a large gradient is a split reduction, two kernels, on the
-launch-bound refresh step (docs/benchmarks.md, "Triton kernels per compiled step"). :class:`RefreshExtremes`
-(Inductor's ``post_grad_custom_pre_pass`` of the compiled steps) runs two passes on every graph they compile.
+launch-bound refresh step (docs/benchmarks.md, "Triton kernels per compiled step"). The compiled steps run two
+passes on every graph they compile (``graph_passes.py``, Inductor's ``post_grad_custom_pre_pass``).
 
 **Derived extremes** (:func:`derive_extremes`). Some of those gradients are the same values as a gradient reduced
 just before, changed only in ways that carry the extremes along: an output point's scaled cast of the float32
@@ -43,9 +43,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["RefreshExtremes", "derive_extremes", "reduce_peaks"]
+__all__ = ["derive_extremes", "reduce_peaks"]
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -292,19 +291,3 @@ def reduce_peaks(graph: fx.Graph) -> int:
             graph.erase_node(dead)
         replaced += 1
     return replaced
-
-
-class RefreshExtremes(CustomGraphPass):
-    """:func:`derive_extremes`, then :func:`reduce_peaks`, as Inductor's ``post_grad_custom_pre_pass``: its
-    ``uuid`` (this file's hash) keys Inductor's and AOT autograd's caches, so that a cached graph compiled before a
-    change of the passes is not loaded."""
-
-    def __call__(self, graph: fx.Graph) -> None:
-        derive_extremes(graph)
-        reduce_peaks(graph)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-    def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))

@@ -11,7 +11,8 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from adaloss.core.array_ops import device_scalars  # noqa: E402
 from adaloss.torch.modes import compiled  # noqa: E402
-from adaloss.torch.modes.refresh_extremes import RefreshExtremes, derive_extremes, reduce_peaks  # noqa: E402
+from adaloss.torch.modes.graph_passes import StepGraphPasses  # noqa: E402
+from adaloss.torch.modes.refresh_extremes import derive_extremes, reduce_peaks  # noqa: E402
 
 from test_compiled_steps import _compare_with_eager  # noqa: E402
 
@@ -101,21 +102,26 @@ def test_extremes_of_values_that_do_not_keep_their_order_are_reduced_as_before()
     assert derive_extremes(gm.graph) == 0
 
 
-def test_the_compiled_steps_run_the_pass_under_a_uuid_that_follows_its_source(tmp_path):
-    """Inductor's and AOT autograd's caches key a custom pass by its uuid: it must change with the pass's code, so
+def test_the_compiled_steps_run_the_passes_under_a_uuid_that_follows_their_sources(tmp_path):
+    """Inductor's and AOT autograd's caches key a custom pass by its uuid: it must change with any pass's code, so
     that a graph compiled by an older pass is not loaded."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from adaloss.torch.modes import refresh_extremes
+    from adaloss.torch.modes import gradient_quotients, graph_passes, refresh_extremes
 
-    assert isinstance(compiled.INDUCTOR_OPTIONS["post_grad_custom_pre_pass"], RefreshExtremes)
-    source = refresh_extremes.__file__
-    assert RefreshExtremes().uuid() == get_hash_for_files((source,))
-    same, edited = tmp_path / "same.py", tmp_path / "edited.py"
-    same.write_bytes(open(source, "rb").read())
-    edited.write_bytes(open(source, "rb").read() + b"# edited\n")
-    assert get_hash_for_files((str(same),)) == RefreshExtremes().uuid()  # the contents, wherever they lie
-    assert get_hash_for_files((str(edited),)) != RefreshExtremes().uuid()
+    assert isinstance(compiled.INDUCTOR_OPTIONS["post_grad_custom_pre_pass"], StepGraphPasses)
+    sources = [module.__file__ for module in (refresh_extremes, gradient_quotients, graph_passes)]
+    assert StepGraphPasses().uuid() == get_hash_for_files(tuple(sources))
+    copies = []
+    for k, source in enumerate(sources):
+        copy = tmp_path / f"{k}.py"
+        copy.write_bytes(open(source, "rb").read())
+        copies.append(str(copy))
+    assert get_hash_for_files(tuple(copies)) == StepGraphPasses().uuid()  # the contents, wherever they lie
+    for k in range(len(copies)):
+        edited = tmp_path / f"edited{k}.py"
+        edited.write_bytes(open(sources[k], "rb").read() + b"# edited\n")
+        assert get_hash_for_files(tuple(copies[:k] + [str(edited)] + copies[k + 1:])) != StepGraphPasses().uuid()
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -124,7 +130,7 @@ def test_a_compiled_refresh_under_autocast_derives_extremes_and_keeps_the_eager_
     point's scaled cast (the layer norm's input gradient, reduced again by the residual branch below it through
     the mean's backward), and the gradients and stored factors stay the eager refresh's."""
     replaced = []
-    monkeypatch.setattr(RefreshExtremes, "__call__", lambda self, graph: replaced.append(derive_extremes(graph)))
+    monkeypatch.setattr(StepGraphPasses, "__call__", lambda self, graph: replaced.append(derive_extremes(graph)))
     with (torch._functorch.config.patch(enable_autograd_cache=False),  # (a cached graph skips the pass)
           torch._inductor.config.patch(fx_graph_cache=False), device_scalars()):
         _compare_with_eager("cpu", torch.float16, rtol=1e-2, steps=2, period=1)
@@ -224,7 +230,7 @@ def test_a_compiled_refresh_under_autocast_reduces_a_layer_norms_peaks_and_keeps
     """The test model's compiled refresh under fp16 autocast, its layer norm's input gradient's peak reduced as
     one: the gradients and stored factors stay the eager refresh's."""
     replaced = []
-    monkeypatch.setattr(RefreshExtremes, "__call__",
+    monkeypatch.setattr(StepGraphPasses, "__call__",
                         lambda self, graph: (derive_extremes(graph), replaced.append(reduce_peaks(graph))))
     with (torch._functorch.config.patch(enable_autograd_cache=False),  # (a cached graph skips the pass)
           torch._inductor.config.patch(fx_graph_cache=False), device_scalars()):

@@ -1,0 +1,141 @@
+"""The compiled steps' graph pass on weight gradients' quotients (``gradient_quotients.py``): the divisions of library
+products by their scales move into one foreach division after the backward, with the same quotients bit for bit,
+and the pass leaves alone what a kernel already fuses, what the graph still uses, and a backend without foreach
+kernels."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from adaloss.core.array_ops import device_scalars  # noqa: E402
+from adaloss.torch import LossScaler, points  # noqa: E402
+from adaloss.torch.modes import gradient_quotients  # noqa: E402
+from adaloss.torch.modes.gradient_quotients import batch_quotients  # noqa: E402
+
+from test_compiled_steps import _gradients  # noqa: E402
+from test_float32_weight_products import _Bottleneck  # noqa: E402
+from test_refresh_extremes import _traced  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def foreach_kernels(monkeypatch):
+    """The pass as on a backend with foreach kernels (Triton's), whatever this CPU's Inductor backend is."""
+    monkeypatch.setattr(gradient_quotients, "_foreach_kernels", lambda device: True)
+
+
+def _weight_gradients(x, gy, x16, gy16, w16, s1, s2, s3, wide):
+    """A backward's weight gradients as the scale points leave them: a Linear layer's float32 product and a
+    convolution's float16 one, each divided by the scale its gy arrived with (``divide_to``); and, left alone, a
+    quotient a kernel makes (a bias gradient's sum), one the graph uses again, and one by a per-channel tensor."""
+    linear = torch.mm(gy.t(), x) / s1
+    conv = aten.convolution_backward(gy16, x16, w16, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                     [False, True, False])[1]
+    conv = torch.div(conv, s2.reshape(1))
+    bias = gy.sum(0) / s1
+    used = torch.mm(gy.t(), x) / s3
+    per_channel = torch.mm(gy.t(), x) / wide
+    return linear, conv, bias, used, used.sum(), per_channel
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(32, 5, generator=gen), torch.randn(32, 7, generator=gen) * 1e4
+    x16 = torch.randn(2, 3, 6, 6, generator=gen).half()
+    gy16 = (torch.randn(2, 4, 6, 6, generator=gen) * 300).half()
+    w16 = torch.randn(4, 3, 3, 3, generator=gen).half()
+    scales = [torch.tensor(2.0 ** k) for k in (13, -7, 3)]
+    return x, gy, x16, gy16, w16, *scales, torch.rand(7, 1, generator=gen) + 0.5
+
+
+def _divisions(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.div.Tensor]
+
+
+def test_library_products_quotients_become_one_foreach_division_with_the_same_values_bit_for_bit(foreach_kernels):
+    args = _inputs()
+    gm = _traced(_weight_gradients, *args)
+    expected = _weight_gradients(*args)
+    assert len(_divisions(gm)) == 5
+    assert batch_quotients(gm.graph) == 2  # the Linear layer's and the convolution's
+    gm.graph.lint()
+    gm.recompile()
+    foreach = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._foreach_div.List]
+    assert len(foreach) == 1 and len(_divisions(gm)) == 3  # the sum's, the reused one's, the per-channel one's
+    got = gm(*args)
+    for value, want in zip(got, expected):
+        assert value.dtype == want.dtype and torch.equal(value, want)
+    assert got[1].dtype == torch.float32  # the float16 product read in its own dtype, divided in float32
+
+
+def test_a_lone_quotient_and_a_backend_without_foreach_kernels_are_left_as_they_are(foreach_kernels, monkeypatch):
+    def one(x, gy, s):
+        return torch.mm(gy.t(), x) / s, gy.sum(0)
+
+    args = (torch.randn(4, 3), torch.randn(4, 2), torch.tensor(4.0))
+    assert batch_quotients(_traced(one, *args).graph) == 0  # nothing to share a launch with
+    monkeypatch.setattr(gradient_quotients, "_foreach_kernels", lambda device: False)
+    assert batch_quotients(_traced(_weight_gradients, *_inputs()).graph) == 0
+
+
+def test_this_cpus_cpp_backend_has_no_foreach_kernels_and_a_cuda_triton_backend_has():
+    """The pass keys on Inductor's own answer: off for the C++ backend (each division would stay a loop of its
+    own, its dividend kept alive to the end of the graph); on for Triton's where it can load."""
+    assert not gradient_quotients._foreach_kernels(torch.device("cpu"))
+    if torch.cuda.is_available():
+        assert gradient_quotients._foreach_kernels(torch.device("cuda"))
+
+
+def _step_gradients(batched: bool, monkeypatch) -> tuple[dict, int]:
+    """One compiled refresh of the bottleneck block (3x3, 1x1 convolutions and a Linear head, their weight
+    gradients from float32 products and a convolution's float16 one) on this CPU, with or without the pass."""
+    moved = []
+    monkeypatch.setattr(gradient_quotients, "_foreach_kernels", lambda device: batched)
+    monkeypatch.setattr(gradient_quotients, "batch_quotients", lambda graph: moved.append(batch_quotients(graph)))
+    torch.manual_seed(0)
+    model = _Bottleneck()
+    scaler = LossScaler(model, "adaptive", compile=True)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 1, 6, 6, generator=gen) * 100, torch.randint(0, 10, (8,), generator=gen)
+    return _gradients(model, scaler, x, y, torch.float16), sum(moved)
+
+
+@pytest.mark.skipif(not points.MM_OUT_DTYPE, reason="torch < 2.8: no float32 output for float16 products")
+def test_compiled_steps_with_the_quotients_batched_give_the_same_gradients_bit_for_bit(monkeypatch):
+    """The pass forced on this CPU's C++ backend (which lowers the foreach division as one loop per tensor): the
+    compiled refresh moves every weight gradient's division and its gradients are those of the same compiled step
+    without the pass, bit for bit."""
+    monkeypatch.setattr(points, "_FLOAT32_WEIGHT_PRODUCTS_ON_CPU", True)
+    with (torch._functorch.config.patch(enable_autograd_cache=False),  # (a cached graph skips the pass)
+          torch._inductor.config.patch(fx_graph_cache=False), device_scalars()):
+        batched, moved = _step_gradients(True, monkeypatch)
+        plain, unmoved = _step_gradients(False, monkeypatch)
+    assert moved == 4 and unmoved == 0  # stem (3x3, float16 product), reduce, expand (1x1), fc
+    assert batched.keys() == plain.keys()
+    for name, value in plain.items():
+        assert torch.equal(batched[name], value), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_default_steps_batch_the_quotients_and_keep_the_eager_gradients(monkeypatch):
+    """On a GPU the default (compiled) steps move the weight gradients' divisions into one foreach kernel, and
+    their gradients are the eager steps' (the same products, divided alike)."""
+    moved = []
+    monkeypatch.setattr(gradient_quotients, "batch_quotients", lambda graph: moved.append(batch_quotients(graph)))
+    results = {}
+    for compile in (None, False):
+        torch.manual_seed(0)
+        model = _Bottleneck(width=32).cuda().to(memory_format=torch.channels_last)
+        scaler = LossScaler(model, "adaptive", compile=compile)
+        gen = torch.Generator().manual_seed(1)
+        x = (torch.randn(64, 1, 16, 16, generator=gen) * 10).cuda()
+        y = torch.randint(0, 10, (64,), generator=gen).cuda()
+        results[compile] = _gradients(model, scaler, x, y, torch.float16)
+    assert sum(moved) >= 4, moved
+    for name, value in results[False].items():
+        got = results[None][name]
+        assert ((got - value).abs().max() / value.abs().max().clamp_min(1e-30)).item() < 1e-2, name
