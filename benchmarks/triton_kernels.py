@@ -96,10 +96,13 @@ _GENERATED: dict[str, float] = {}
 _FIRST_LAUNCH: dict[str, float] = {}
 #: The launches since the caller last cleared it, by kind of kernel (:data:`KERNEL_KINDS`).
 _KINDS: Counter = Counter()
-#: The kinds of Triton kernel Inductor generates, by the prefix of their names (its ``triton_{poi,red,per}_...``):
-#: element-wise, a reduction looping over its elements, a reduction holding a row whole (persistent). A combo kernel
-#: is named after the kind of its first part. A refresh's statistics are reductions; a scaled copy is element-wise.
-KERNEL_KINDS = {"triton_poi": "pointwise", "triton_red": "looped reduction", "triton_per": "persistent reduction"}
+#: The kinds of Triton kernel Inductor generates, by the prefix of their names (its ``triton_{poi,red,per,for}_...``):
+#: element-wise, a reduction looping over its elements, a reduction holding a row whole (persistent), and a foreach
+#: kernel (element-wise on a list of tensors: the compiled steps' division of the weight gradients, as
+#: ``gradient_quotients.py`` batches them). A combo kernel is named after the kind of its first part. A refresh's
+#: statistics are reductions; a scaled copy is element-wise.
+KERNEL_KINDS = {"triton_poi": "pointwise", "triton_red": "looped reduction", "triton_per": "persistent reduction",
+                "triton_for": "foreach"}
 
 
 def _without_cpu_test(function: Any, module: Any, test: str, replacement: str, what: str) -> Any:
@@ -599,7 +602,7 @@ def report(model: str, found: dict[str, dict[str, int]], shape: str = "") -> Non
     for name, row in found.items():
         cells = [f"{step} " + ", ".join(f"{row[step + '_kinds'].get(kind, 0)} {kind}"
                                         for kind in (*KERNEL_KINDS.values(), "other")
-                                        if kind != "other" or row[step + "_kinds"].get(kind))
+                                        if kind not in ("foreach", "other") or row[step + "_kinds"].get(kind))
                  for step in ("refresh", "steady")]
         print(f"  {name:<24} " + "; ".join(cells))
     print("  what a GPU compiles at the first steps: the distinct kernels launched, and their Triton configs (one "

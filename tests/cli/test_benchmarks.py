@@ -493,6 +493,7 @@ def test_the_triton_proxy_names_each_kernels_kind_from_inductors_name_for_it():
     assert kernel_kind("triton_poi_fused__to_copy_1") == "pointwise"
     assert kernel_kind("triton_red_fused_aminmax_7") == "looped reduction"
     assert kernel_kind("triton_per_fused_native_layer_norm_0") == "persistent reduction"
+    assert kernel_kind("triton_for_fused_33") == "foreach"
     assert kernel_kind("triton_tem_fused_mm_0") == kernel_kind("") == "other"
 
 
@@ -595,6 +596,38 @@ print(json.dumps(found))
     counted, plain = found["counted"], found["plain"]
     assert counted["extern"] and not counted["operator"] and counted["exact"] and counted["dtype"] == "torch.float32"
     assert plain["operator"] and not plain["extern"] and plain["exact"]
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
+def test_the_triton_proxy_divides_the_weight_gradients_of_library_products_in_one_foreach_kernel():
+    """Compiled with Inductor's Triton backend (a GPU's), the steps divide the weight gradients that library
+    products make (the MLP's float32 matrix products) in one foreach kernel instead of one kernel per layer: no
+    more launches on either kind of step, the same bytes, and the same parameters bit for bit as without the
+    pass."""
+    script = """
+import json
+import torch
+from adaloss.torch.modes import gradient_quotients
+from benchmarks import triton_kernels
+found = {}
+on_triton = gradient_quotients._foreach_kernels
+for label, check in (("batched", on_triton), ("plain", lambda device: False)):
+    gradient_quotients._foreach_kernels = check
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        counts, models = triton_kernels.count_kernels("mlp", ["adaptive-100-compiled"], keep_models=True)
+    found[label] = {k: v for k, v in counts["adaptive-100-compiled"].items() if k in (
+        "refresh", "steady", "refresh_mb", "steady_mb", "refresh_kinds", "steady_kinds")}
+    found[label + "_parameters"] = [p.tolist() for p in models["adaptive-100-compiled"].parameters()]
+print(json.dumps(found))
+"""
+    found = _interpreted(script)
+    batched, plain = found["batched"], found["plain"]
+    # (Between refreshes the MLP's three divisions had shared one combo kernel already.)
+    assert batched["refresh"] < plain["refresh"] and batched["steady"] <= plain["steady"]
+    for step in ("refresh", "steady"):
+        assert batched[step + "_kinds"]["foreach"] == 1 and "foreach" not in plain[step + "_kinds"]
+        assert batched[step + "_mb"] == pytest.approx(plain[step + "_mb"], rel=1e-3)  # the same gradients moved
+    assert found["batched_parameters"] == found["plain_parameters"]
 
 
 @pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
