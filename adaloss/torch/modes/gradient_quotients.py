@@ -61,14 +61,15 @@ def _from_library(node: Any) -> bool:
 
 
 def _is_quotient(node: fx.Node, output: fx.Node) -> bool:
-    """Whether ``node`` divides a library product by one number into float32, and only leaves the graph."""
+    """Whether ``node`` divides a library product by one number into float32 of the product's shape (a foreach
+    division's result has its dividend's), and only leaves the graph."""
     if node.op != "call_function" or node.target is not aten.div.Tensor or len(node.args) != 2 or node.kwargs:
         return False
     dividend, divisor = node.args
-    value, scale = _value(node), _value(divisor)
-    return (isinstance(value, torch.Tensor) and isinstance(scale, torch.Tensor) and scale.numel() == 1
-            and value.dtype == torch.float32 and scale.dtype == torch.float32
-            and isinstance(_value(dividend), torch.Tensor) and _value(dividend).dtype.is_floating_point
+    value, scale, product = _value(node), _value(divisor), _value(dividend)
+    return (isinstance(value, torch.Tensor) and isinstance(scale, torch.Tensor) and isinstance(product, torch.Tensor)
+            and scale.numel() == 1 and value.dtype == scale.dtype == torch.float32
+            and product.dtype.is_floating_point and value.shape == product.shape
             and set(node.users) == {output} and _from_library(dividend))
 
 

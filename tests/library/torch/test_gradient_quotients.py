@@ -30,7 +30,8 @@ def foreach_kernels(monkeypatch):
 def _weight_gradients(x, gy, x16, gy16, w16, s1, s2, s3, wide):
     """A backward's weight gradients as the scale points leave them: a Linear layer's float32 product and a
     convolution's float16 one, each divided by the scale its gy arrived with (``divide_to``); and, left alone, a
-    quotient a kernel makes (a bias gradient's sum), one the graph uses again, and one by a per-channel tensor."""
+    quotient a kernel makes (a bias gradient's sum), one the graph uses again, one by a per-channel tensor, and one
+    whose divisor broadcasts it to a shape of more dimensions than its product's."""
     linear = torch.mm(gy.t(), x) / s1
     conv = aten.convolution_backward(gy16, x16, w16, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
                                      [False, True, False])[1]
@@ -38,7 +39,8 @@ def _weight_gradients(x, gy, x16, gy16, w16, s1, s2, s3, wide):
     bias = gy.sum(0) / s1
     used = torch.mm(gy.t(), x) / s3
     per_channel = torch.mm(gy.t(), x) / wide
-    return linear, conv, bias, used, used.sum(), per_channel
+    widened = torch.mm(gy.t(), x) / s3.reshape(1, 1, 1)
+    return linear, conv, bias, used, used.sum(), per_channel, widened
 
 
 def _inputs():
@@ -59,12 +61,12 @@ def test_library_products_quotients_become_one_foreach_division_with_the_same_va
     args = _inputs()
     gm = _traced(_weight_gradients, *args)
     expected = _weight_gradients(*args)
-    assert len(_divisions(gm)) == 5
+    assert len(_divisions(gm)) == 6
     assert batch_quotients(gm.graph) == 2  # the Linear layer's and the convolution's
     gm.graph.lint()
     gm.recompile()
     foreach = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._foreach_div.List]
-    assert len(foreach) == 1 and len(_divisions(gm)) == 3  # the sum's, the reused one's, the per-channel one's
+    assert len(foreach) == 1 and len(_divisions(gm)) == 4  # the sum's, the reused, per-channel and widened ones
     got = gm(*args)
     for value, want in zip(got, expected):
         assert value.dtype == want.dtype and torch.equal(value, want)
