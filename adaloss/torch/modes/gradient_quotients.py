@@ -32,10 +32,10 @@ __all__ = ["batch_quotients"]
 aten, prims = torch.ops.aten, torch.ops.prims
 
 #: Products Inductor hands to a library (an extern kernel, which takes no element-wise epilogue): ``mm.dtype`` is
-#: CUDA's float32 product of float16 matrices (torch 2.8 and later); custom operators are extern kernels too (the
-#: CPU's ``adaloss::mm_float32``).
-_LIBRARY_PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default,
-                               aten.convolution_backward.default}
+#: CUDA's float32 product of float16 matrices (torch 2.8 and later); adaloss's own operators are extern kernels
+#: too (the CPU's ``adaloss::mm_float32``). Not ``addmm``: Inductor splits it into a product and an addition that
+#: fuses with its element-wise users, which a division moved into a foreach kernel would no longer be.
+_LIBRARY_PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.convolution_backward.default}
                               | ({aten.mm.dtype} if "dtype" in aten.mm.overloads() else set()))
 #: Operations between a product and its division that launch nothing (views, an item of the product's tuple) or
 #: that the kernel reading the product takes in (a cast).
@@ -56,8 +56,14 @@ def _from_library(node: Any) -> bool:
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     target = node.target
-    return target in _LIBRARY_PRODUCTS or (isinstance(target, torch._ops.OpOverload)
-                                           and target.namespace not in ("aten", "prims"))
+    return target in _LIBRARY_PRODUCTS or (isinstance(target, torch._ops.OpOverload) and target.namespace == "adaloss")
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes to a tensor in place (AOT autograd's ``copy_`` back into a mutated input, at the end
+    of a graph): a division moved past it would read what it wrote."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target._schema.is_mutable)
 
 
 def _is_quotient(node: fx.Node, output: fx.Node) -> bool:
@@ -86,10 +92,13 @@ def _foreach_kernels(device: torch.device) -> bool:
 def batch_quotients(graph: fx.Graph) -> int:
     """Replaces in ``graph`` the divisions of library products by one number each, whose quotients are graph
     outputs, by one ``_foreach_div`` per device before the output (see the module docstring); returns how many it
-    moved (none on a device with fewer than two, or whose backend has no foreach kernels)."""
+    moved (none on a device with fewer than two, or whose backend has no foreach kernels, and none at all where an
+    in-place write follows a division)."""
     output = next(node for node in reversed(graph.nodes) if node.op == "output")
     by_device: dict[torch.device, list[fx.Node]] = {}
     for node in graph.nodes:
+        if by_device and _mutates(node):
+            return 0  # a write after a division: moving it to the end could change what it reads
         if _is_quotient(node, output):
             by_device.setdefault(_value(node).device, []).append(node)
     moved = 0

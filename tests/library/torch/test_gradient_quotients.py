@@ -83,6 +83,19 @@ def test_a_lone_quotient_and_a_backend_without_foreach_kernels_are_left_as_they_
     assert batch_quotients(_traced(_weight_gradients, *_inputs()).graph) == 0
 
 
+def test_divisions_followed_by_an_in_place_write_stay_where_they_are(foreach_kernels):
+    """AOT autograd writes a mutated input back at the end of a graph (``copy_``): a division moved past that write
+    would read the new value, so a graph with a write after a division keeps every division in place."""
+    def written(x, gy, s1, s2, new):
+        linear, other = torch.mm(gy.t(), x) / s1, torch.mm(gy.t(), x * 2) / s2
+        s1.copy_(new)
+        return linear, other
+
+    args = (torch.randn(4, 3), torch.randn(4, 2), torch.tensor(4.0), torch.tensor(8.0), torch.tensor(2.0))
+    gm = _traced(written, *args)
+    assert len(_divisions(gm)) == 2 and batch_quotients(gm.graph) == 0
+
+
 def test_this_cpus_cpp_backend_has_no_foreach_kernels_and_a_cuda_triton_backend_has():
     """The pass keys on Inductor's own answer: off for the C++ backend (each division would stay a loop of its
     own, its dividend kept alive to the end of the graph); on for Triton's where it can load."""
@@ -123,13 +136,17 @@ def test_compiled_steps_with_the_quotients_batched_give_the_same_gradients_bit_f
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_default_steps_batch_the_quotients_and_keep_the_eager_gradients(monkeypatch):
-    """On a GPU the default (compiled) steps move the weight gradients' divisions into one foreach kernel, and
-    their gradients are the eager steps' (the same products, divided alike)."""
-    moved = []
-    monkeypatch.setattr(gradient_quotients, "batch_quotients", lambda graph: moved.append(batch_quotients(graph)))
-    results = {}
-    for compile in (None, False):
+def test_cuda_default_steps_divide_in_one_foreach_kernel_with_the_same_gradients_bit_for_bit(monkeypatch):
+    """On a GPU the default (compiled) steps divide the weight gradients in a foreach kernel (Triton's
+    ``triton_for_...`` in the generated code), with the gradients of the same compiled steps without the pass, bit
+    for bit, and near the eager steps'."""
+    from torch._inductor.utils import run_and_get_code
+
+    on_triton = gradient_quotients._foreach_kernels
+    results, codes = {}, {}
+    for label, compile, check in (("batched", None, on_triton), ("plain", None, lambda device: False),
+                                  ("eager", False, on_triton)):
+        monkeypatch.setattr(gradient_quotients, "_foreach_kernels", check)
         torch.manual_seed(0)
         model = _Bottleneck(width=32).cuda().to(memory_format=torch.channels_last)
         scaler = LossScaler(model, "adaptive", compile=compile)
@@ -138,8 +155,10 @@ def test_cuda_default_steps_batch_the_quotients_and_keep_the_eager_gradients(mon
         y = torch.randint(0, 10, (64,), generator=gen).cuda()
         with (torch._functorch.config.patch(enable_autograd_cache=False),  # (a cached graph skips the pass)
               torch._inductor.config.patch(fx_graph_cache=False)):
-            results[compile] = _gradients(model, scaler, x, y, torch.float16)
-    assert sum(moved) >= 4, moved
-    for name, value in results[False].items():
-        got = results[None][name]
-        assert ((got - value).abs().max() / value.abs().max().clamp_min(1e-30)).item() < 1e-2, name
+            results[label], code = run_and_get_code(_gradients, model, scaler, x, y, torch.float16)
+        codes[label] = "\n".join(code)
+    assert "triton_for_" in codes["batched"] and "triton_for_" not in codes["plain"]
+    for name, value in results["plain"].items():
+        assert torch.equal(results["batched"][name], value), name
+        truth = results["eager"][name]
+        assert ((value - truth).abs().max() / truth.abs().max().clamp_min(1e-30)).item() < 1e-2, name
