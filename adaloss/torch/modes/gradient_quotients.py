@@ -14,6 +14,7 @@ as before, so the gradients are the same bit for bit. Memory: Inductor writes ea
 buffer where their dtypes match (its generated code for the nanoGPT shows it); a convolution's float16 product
 stays allocated until the end of the backward (ResNet-50's 3x3 convolutions: 23 MB), when most activations have
 been freed. The pass moves only divisions whose quotients leave the graph (nothing in the graph waits for them),
+none in a graph that writes a tensor in place after a division (the write could change what the division reads),
 and only where Inductor's backend for the device has foreach kernels (Triton's: CUDA, and a CPU compiled with
 Inductor's Triton backend, as ``benchmarks.triton_kernels`` counts launches); on a CPU's C++ backend each division
 would stay a loop of its own, its dividend kept alive to the end.
