@@ -631,6 +631,35 @@ print(json.dumps(found))
 
 
 @pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
+def test_the_triton_proxy_s_sink_kernels_load_the_stored_values_instead_of_computing_them_again():
+    """Compiled with Inductor's Triton backend (a GPU's), a refresh whose stored values are stored by the kernels
+    that compute them generates less Triton code (the sinks' kernels load 0-d values where they computed each
+    value's factor math again), with the same parameters bit for bit as without the pass."""
+    script = """
+import json
+import torch
+from adaloss.torch.modes import sink_values
+from benchmarks import triton_kernels
+found = {}
+store = sink_values.store_sink_values
+for label, mark in (("stored", store), ("inline", lambda graph: 0)):
+    sink_values.store_sink_values = mark
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        counts, models = triton_kernels.count_kernels("mlp", ["adaptive-1-compiled"], keep_models=True)
+    result = counts["adaptive-1-compiled"]
+    found[label] = {"refresh": result["refresh"],
+                    "lines": sum(len(open(path).read().splitlines()) for path in result["kernel_files"])}
+    found[label + "_parameters"] = [p.tolist() for p in models["adaptive-1-compiled"].parameters()]
+print(json.dumps(found))
+"""
+    found = _interpreted(script)
+    stored, inline = found["stored"], found["inline"]
+    assert stored["lines"] < inline["lines"]
+    assert stored["refresh"] <= inline["refresh"] + 1
+    assert found["stored_parameters"] == found["inline_parameters"]
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs the triton package (no GPU): pip install triton")
 def test_the_gpu_compile_proxy_compiles_every_config_of_every_kernel_launched_for_an_h100():
     """``--compile-for-gpu``: each Triton config of each kernel a compiled step launched is compiled for an
     H100/H200 (sm_90) on this CPU, once, in worker processes that do not interpret (a binary, not Triton's

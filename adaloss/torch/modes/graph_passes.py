@@ -4,7 +4,9 @@
 - ``refresh_extremes.py``: the extremes a refresh reduces, reduced less often and where they fuse
   (:func:`~.refresh_extremes.derive_extremes`, then :func:`~.refresh_extremes.reduce_peaks`);
 - ``gradient_quotients.py``: the weight gradients that library products make, divided by their scales in one
-  multi-tensor kernel (:func:`~.gradient_quotients.batch_quotients`).
+  multi-tensor kernel (:func:`~.gradient_quotients.batch_quotients`);
+- ``sink_values.py``: the values a refresh stores, stored by the kernels that compute them rather than computed
+  again inside the sink's kernel (:func:`~.sink_values.store_sink_values`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import gradient_quotients, refresh_extremes
+from . import gradient_quotients, refresh_extremes, sink_values
 
 __all__ = ["StepGraphPasses"]
 
@@ -27,9 +29,11 @@ class StepGraphPasses(CustomGraphPass):
         refresh_extremes.derive_extremes(graph)
         refresh_extremes.reduce_peaks(graph)
         gradient_quotients.batch_quotients(graph)
+        sink_values.store_sink_values(graph)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
     def uuid(self) -> Any:
-        return get_hash_for_files((refresh_extremes.__file__, gradient_quotients.__file__, __file__))
+        return get_hash_for_files((refresh_extremes.__file__, gradient_quotients.__file__, sink_values.__file__,
+                                   __file__))

@@ -107,10 +107,10 @@ def test_the_compiled_steps_run_the_passes_under_a_uuid_that_follows_their_sourc
     that a graph compiled by an older pass is not loaded."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
-    from adaloss.torch.modes import gradient_quotients, graph_passes, refresh_extremes
+    from adaloss.torch.modes import gradient_quotients, graph_passes, refresh_extremes, sink_values
 
     assert isinstance(compiled.INDUCTOR_OPTIONS["post_grad_custom_pre_pass"], StepGraphPasses)
-    sources = [module.__file__ for module in (refresh_extremes, gradient_quotients, graph_passes)]
+    sources = [module.__file__ for module in (refresh_extremes, gradient_quotients, sink_values, graph_passes)]
     assert StepGraphPasses().uuid() == get_hash_for_files(tuple(sources))
     copies = []
     for k, source in enumerate(sources):
