@@ -40,8 +40,8 @@ REALIZE = "inductor_realize_to_strides"
 
 
 def _entry_value(pad: fx.Node) -> fx.Node | None:
-    """The value a sink entry pads into its position: the pad of a one-element vector into a vector, the reshapes
-    on its way skipped; None for any other pad, or a value that is (a view of) an input, or a constant."""
+    """The value a sink entry pads into its position: the pad of a one-element vector into a vector, the views on
+    its way skipped; None for any other pad, or a value that is (a view of) an input, or a constant."""
     if pad.op != "call_function" or pad.target is not aten.constant_pad_nd.default:
         return None
     source = pad.args[0]
