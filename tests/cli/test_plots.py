@@ -142,6 +142,9 @@ def test_per_layer_scales_are_a_layer_by_step_heatmap_with_a_colour_bar(tmp_path
     run = fake_run(tmp_path / "ada", "adaptive", layers=34, scale=lambda step, layer: 2.0 ** (60 - layer - step // 50))
     figure = scale_figure([group(run, "adaptive")], "t")
     heatmap = next(ax for ax in figure.axes if "scale per layer" in ax.get_title())
+    # The heatmap says which scale it shows (the progress line and summary give the weight gradients' instead), and
+    # its step axis starts at step 0, not half a cell before it.
+    assert "activation-gradient" in heatmap.get_title() and heatmap.get_xlim()[0] == 0
     values = mesh_of(heatmap).get_array()
     assert values.shape == (35, len(RECORDED))  # one row per layer (and the loss gradient), one column per step
     assert values[0, 0] == 61 and values[-1, -1] == 60 - RECORDED[-1] // 50  # log2; loss side on top, input last

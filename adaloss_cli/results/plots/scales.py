@@ -1,8 +1,10 @@
 """``loss_scale.png``: the loss scale over training, on a log2 axis.
 
 The first panel holds every row's scale against the step: fixed and dynamic rows as lines (steps.jsonl ``scale``),
-adaptive rows as the band from their smallest to their largest per-layer scale (scales.csv ``accumulated_scale``),
-so all methods meet on one axis. Each adaptive row then gets a layer x step heatmap of log2 of its per-layer scales
+adaptive rows as the band from their smallest to their largest per-layer scale (scales.csv ``accumulated_scale``:
+the accumulated scale A of the activation gradient a layer passes down, the scale that underflow.png is about; the
+progress line and summary.json give each layer's weight-gradient scale instead, ``weight_scale``), so all methods
+meet on one axis. Each adaptive row then gets a layer x step heatmap of log2 of its per-layer scales
 with one colour bar shared by all heatmaps of the figure; it stays readable at 32+ layers (short names, thinned
 tick labels) where a line per layer did not.
 """
@@ -91,12 +93,13 @@ def _draw_scale_lines(ax, groups: Sequence[Group], global_rows: Sequence[Group],
         kept = [(step, min(c), max(c)) for step, c in zip(steps, columns) if c]
         style = styles[group.label]
         ax.fill_between([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], color=style.color,
-                        alpha=0.25, lw=0, label=f"{group.label}: per-layer range ({len(layers)} layers)")
+                        alpha=0.25, lw=0, label=f"{group.label}: activation-gradient scales, {len(layers)} layers")
         for bound in (1, 2):
             ax.plot([k[0] for k in kept], [k[bound] for k in kept], **style.line_kwargs(len(kept), shown))
     ax.set_yscale("log", base=2)
     ax.set(title="Loss scale per step (adaptive: smallest to largest layer)", xlabel="optimizer step",
            ylabel="loss scale (log2 axis)")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers, also on a short run
     ax.grid(True, which="major", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
@@ -123,14 +126,17 @@ def _draw_scale_heatmaps(figure, axes, heatmaps: Sequence[Group], height: float)
     cmap = colormaps[SCALE_COLORMAP].with_extremes(bad="lightgrey")
     image = None
     for ax, (group, run, layers, steps, values) in zip(axes, data):
-        image = ax.pcolormesh(step_edges(steps), np.arange(len(layers) + 1) - 0.5, np.ma.masked_invalid(values),
+        edges = step_edges(steps)
+        image = ax.pcolormesh(edges, np.arange(len(layers) + 1) - 0.5, np.ma.masked_invalid(values),
                               cmap=cmap, norm=norm)
+        ax.set_xlim(max(edges[0], 0.0), edges[-1])  # no negative steps: the first recorded cell starts at step 0
         ax.set_ylim(len(layers) - 0.5, -0.5)  # the loss gradient on top, the input-side layers at the bottom
         ax.set(xlabel="optimizer step", ylabel=LAYER_AXIS_LABEL)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         layer_ticks(ax, layers, height)
         seed = f", seed {run.seed}" if run.seed is not None else ""
-        ax.set_title(f"{group.label}: scale per layer{seed}")
+        ax.set_title(f"{group.label}: activation-gradient scale per layer{seed}")
     bar = figure.colorbar(image, ax=list(axes), shrink=0.9, pad=0.02)
     shared = ", one colour scale for all panels" if len(data) > 1 else ""
-    bar.set_label(f"log2(accumulated loss scale){shared}")
+    bar.set_label(f"log2(activation-gradient scale A){shared}")
     bar.ax.yaxis.get_major_locator().set_params(integer=True)
