@@ -138,6 +138,17 @@ def test_a_single_run_gets_the_curves_without_comparison_panels(tmp_path):
                                                       "Validation accuracy"]
 
 
+def test_a_short_run_s_step_axes_show_whole_steps_from_step_0(tmp_path):
+    # Five steps and one evaluation: matplotlib's own ticks would be 0.5, 1.5, ... and 18.8 to 19.2.
+    run = fake_run(tmp_path / "short", "dynamic", losses=[2.3, 2.1, 2.0, 1.9, 1.8], accuracies=[0.5])
+    loss_ax, val_ax = training_figure([group(run, "dynamic")], "t").axes[:2]
+    for ax in (loss_ax, val_ax):
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    assert val_ax.get_xlim()[0] <= 0 < 19 < val_ax.get_xlim()[1]  # the lone evaluation, seen from step 0
+
+
 def test_per_layer_scales_are_a_layer_by_step_heatmap_with_a_colour_bar(tmp_path):
     run = fake_run(tmp_path / "ada", "adaptive", layers=34, scale=lambda step, layer: 2.0 ** (60 - layer - step // 50))
     figure = scale_figure([group(run, "adaptive")], "t")

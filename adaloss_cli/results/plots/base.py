@@ -182,6 +182,19 @@ def layer_ticks(ax, layers: Sequence[str], height_in: float, axis: str = "y") ->
         (ax.set_ylabel if axis == "y" else ax.set_xlabel)(f"{label} (one in {every} named)")
 
 
+def step_axis(ax, edges: Sequence[float] | None = None) -> None:
+    """An optimizer-step x axis: whole steps as ticks (a short run otherwise gets 0.5, 1.5, ...); with a heatmap's
+    cell ``edges``, limited to its cells from step 0 on (the first recorded step's cell reaches half a gap before
+    it). Curves at a single step (one evaluation so far) are seen from step 0, not from a sliver around it."""
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    if edges is not None:
+        ax.set_xlim(max(edges[0], 0.0), edges[-1])
+        return
+    steps = {float(x) for line in ax.get_lines() for x in line.get_xdata()}
+    if len(steps) == 1 and (step := steps.pop()) > 0:
+        ax.set_xlim(-0.05 * step, 1.05 * step)
+
+
 def layer_axis_height(layers: int, per_layer: float = 0.16, low: float = 4.2, high: float = 10.0) -> float:
     """Figure height (inches) for a per-layer axis: grows with the layers, capped so 100+ layers still fit a
     screen (the tick labels then thin out)."""

@@ -14,7 +14,8 @@ import math
 from typing import Callable, Sequence
 
 from adaloss_cli.results.comparison import Group
-from adaloss_cli.results.plots.base import (by_step, finite, moving_average, new_figure, row_styles, seeds_note)
+from adaloss_cli.results.plots.base import (by_step, finite, moving_average, new_figure, row_styles, seeds_note,
+                                            step_axis)
 from adaloss_cli.runs.methods import BASELINE
 
 #: Padding of a fitted accuracy axis: this share of the data's span, and at least this many percentage points.
@@ -79,6 +80,7 @@ def _draw_loss(ax, rows: Sequence[Group], styles, window: int) -> dict[str, dict
                             alpha=0.15, lw=0)
     smoothing = f", moving average over {window} steps" if window > 1 else ""
     ax.set(title=f"Training loss{smoothing}", xlabel="optimizer step", ylabel="training loss (cross-entropy)")
+    step_axis(ax)
     if _spans_decades(ax):
         ax.set_yscale("log")
     _legend(ax)
@@ -108,6 +110,7 @@ def _draw_validation(ax, rows: Sequence[Group], styles, language_model: bool) ->
             curves.append((None, steps, low + high))
     ax.set(title=name + (" (lower is better)" if language_model else ""), xlabel="optimizer step",
            ylabel=name.lower() + unit)
+    step_axis(ax)
     if language_model:
         if _spans_decades(ax):
             ax.set_yscale("log")
@@ -166,6 +169,7 @@ def _draw_loss_difference(ax, rows: Sequence[Group], styles, smoothed: dict[str,
     smoothing = f" (moving averages over {window} steps)" if window > 1 else ""
     ax.set(title=f"Training loss minus {reference.label}'s{smoothing}", xlabel="optimizer step",
            ylabel=f"loss difference to {reference.label}")
+    step_axis(ax)
     _legend(ax)
 
 

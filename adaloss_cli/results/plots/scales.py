@@ -16,7 +16,7 @@ from typing import Sequence
 
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.plots.base import (LAYER_AXIS_LABEL, finite, group_method, layer_axis_height, layer_ticks,
-                                            layers_of, new_figure, row_styles)
+                                            layers_of, new_figure, row_styles, step_axis)
 from adaloss_cli.results.rundata import RunData
 
 #: Adaptive rows beyond this many get no heatmap of their own (they keep their band in the first panel).
@@ -99,7 +99,7 @@ def _draw_scale_lines(ax, groups: Sequence[Group], global_rows: Sequence[Group],
     ax.set_yscale("log", base=2)
     ax.set(title="Loss scale per step (adaptive: smallest to largest layer)", xlabel="optimizer step",
            ylabel="loss scale (log2 axis)")
-    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers, also on a short run
+    step_axis(ax)
     ax.grid(True, which="major", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
@@ -129,10 +129,9 @@ def _draw_scale_heatmaps(figure, axes, heatmaps: Sequence[Group], height: float)
         edges = step_edges(steps)
         image = ax.pcolormesh(edges, np.arange(len(layers) + 1) - 0.5, np.ma.masked_invalid(values),
                               cmap=cmap, norm=norm)
-        ax.set_xlim(max(edges[0], 0.0), edges[-1])  # no negative steps: the first recorded cell starts at step 0
         ax.set_ylim(len(layers) - 0.5, -0.5)  # the loss gradient on top, the input-side layers at the bottom
         ax.set(xlabel="optimizer step", ylabel=LAYER_AXIS_LABEL)
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        step_axis(ax, edges)
         layer_ticks(ax, layers, height)
         seed = f", seed {run.seed}" if run.seed is not None else ""
         ax.set_title(f"{group.label}: activation-gradient scale per layer{seed}")

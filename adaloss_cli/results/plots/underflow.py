@@ -15,7 +15,7 @@ from typing import Sequence
 
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.plots.base import (LAYER_AXIS_LABEL, finite, is_float32, layer_axis_height, layer_ticks,
-                                            layers_of, new_figure)
+                                            layers_of, new_figure, step_axis)
 from adaloss_cli.results.plots.scales import layer_step_matrix, step_edges
 
 #: The colour scale of every underflow figure: a fraction of the values, from none to all.
@@ -121,10 +121,12 @@ def _over_steps(group: Group, title: str, note: str):
     figure = new_figure(9.5, height)
     ax = figure.subplots()
     cmap = colormaps[UNDERFLOW_COLORMAP].with_extremes(bad="lightgrey")
-    image = ax.pcolormesh(step_edges(steps), np.arange(len(layers) + 1) - 0.5,
+    edges = step_edges(steps)
+    image = ax.pcolormesh(edges, np.arange(len(layers) + 1) - 0.5,
                           np.ma.masked_invalid(np.array(matrix, dtype=float)), cmap=cmap, norm=underflow_norm())
     ax.set_ylim(len(layers) - 0.5, -0.5)
     ax.set(xlabel="optimizer step (recorded steps)", ylabel=LAYER_AXIS_LABEL)
+    step_axis(ax, edges)
     layer_ticks(ax, layers, height)
     _colorbar(figure, image, ax)
     seed = f", seed {run.seed}" if run.seed is not None else ""
