@@ -182,6 +182,14 @@ def layer_ticks(ax, layers: Sequence[str], height_in: float, axis: str = "y") ->
         (ax.set_ylabel if axis == "y" else ax.set_xlabel)(f"{label} (one in {every} named)")
 
 
+def step_edges(steps: Sequence[int]) -> list[float]:
+    """Cell edges of a step axis: halfway between recorded steps, half a gap beyond the first and last."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    middles = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return [steps[0] - (middles[0] - steps[0])] + middles + [steps[-1] + (steps[-1] - middles[-1])]
+
+
 def step_axis(ax, edges: Sequence[float] | None = None) -> None:
     """An optimizer-step x axis: whole steps as ticks (a short run otherwise gets 0.5, 1.5, ...); with a heatmap's
     cell ``edges``, limited to its cells from step 0 on (the first recorded step's cell reaches half a gap before

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.plots.base import (LAYER_AXIS_LABEL, finite, group_method, layer_axis_height, layer_ticks,
-                                            layers_of, new_figure, row_styles, step_axis)
+                                            layers_of, new_figure, row_styles, step_axis, step_edges)
 from adaloss_cli.results.rundata import RunData
 
 #: Adaptive rows beyond this many get no heatmap of their own (they keep their band in the first panel).
@@ -41,14 +41,6 @@ def layer_step_matrix(run: RunData, column: str) -> tuple[list[str], list[int], 
         if finite(row.get(column)):
             matrix[where[row["layer"]]][at[row["step"]]] = float(row[column])
     return layers, steps, matrix
-
-
-def step_edges(steps: Sequence[int]) -> list[float]:
-    """Cell edges of a step axis: halfway between recorded steps, half a gap beyond the first and last."""
-    if len(steps) == 1:
-        return [steps[0] - 0.5, steps[0] + 0.5]
-    middles = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
-    return [steps[0] - (middles[0] - steps[0])] + middles + [steps[-1] + (steps[-1] - middles[-1])]
 
 
 def scale_figure(groups: Sequence[Group], title: str):

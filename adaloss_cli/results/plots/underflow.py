@@ -15,8 +15,8 @@ from typing import Sequence
 
 from adaloss_cli.results.comparison import Group
 from adaloss_cli.results.plots.base import (LAYER_AXIS_LABEL, finite, is_float32, layer_axis_height, layer_ticks,
-                                            layers_of, new_figure, step_axis)
-from adaloss_cli.results.plots.scales import layer_step_matrix, step_edges
+                                            layers_of, new_figure, step_axis, step_edges)
+from adaloss_cli.results.plots.scales import layer_step_matrix
 
 #: The colour scale of every underflow figure: a fraction of the values, from none to all.
 UNDERFLOW_LIMITS = (0.0, 1.0)
